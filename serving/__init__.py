@@ -1,0 +1,1 @@
+"""Token-tree speculative inference: trees, drafting, verification, KV caches, the engine."""

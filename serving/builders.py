@@ -1,0 +1,163 @@
+"""Tree-building policies and the merge of several SSMs' trees: short pure functions.
+
+Shape legend: F frontier nodes (nodes being expanded at one depth), W children per node,
+V vocabulary, N tree nodes.
+
+Policies (chosen by ``TreeConfig.kind`` through ``TREE_POLICIES``):
+- ``expansion``: SpecInfer's expansion-based tree, a width per depth (the paper's ⟨1,1,3,1,1,1,1,1⟩,
+  arXiv 2305.09781 §3): every node of depth d-1 gets ``widths[d-1]`` children.
+- ``dynamic``: EAGLE-2's context-aware tree (arXiv 2406.16858): at each depth expand only the
+  ``topk`` frontier nodes with the largest cumulative draft probability, each with ``topk``
+  children; at the end re-rank all nodes by cumulative probability and keep ``budget`` of them.
+  The re-rank prunes siblings by their sampled values, which would bias stochastic verification,
+  so it runs for greedy decoding only (the expansion step itself is safe, see verify_stochastic).
+
+Children are the top-W tokens of q for greedy decoding, and W draws *without replacement* from q
+(Gumbel-top-k) for sampling: deterministic top-k children would break exactness under sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from boosttune.serving.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Shape of the token tree each SSM drafts.
+
+    Attributes:
+        kind: "expansion" (fixed width per depth) or "dynamic" (EAGLE-2 style re-ranking).
+        widths: expansion only: children per node at each depth; its length is the tree depth.
+        topk: dynamic only: frontier nodes expanded per depth, and children per expanded node.
+        depth: dynamic only: number of draft depths.
+        budget: dynamic only: nodes kept after re-ranking (greedy decoding).
+    """
+
+    kind: str = "expansion"
+    widths: tuple[int, ...] = field(default=(1, 1, 3, 1, 1, 1, 1, 1))
+    topk: int = 4
+    depth: int = 6
+    budget: int = 32
+
+    def __post_init__(self) -> None:
+        if self.kind not in TREE_POLICIES:
+            raise ValueError(f"tree kind must be one of {sorted(TREE_POLICIES)}, got {self.kind!r}")
+        object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
+        if self.kind == "expansion" and (not self.widths or min(self.widths) < 1):
+            raise ValueError(f"tree widths must be a non-empty list of positive ints, got {self.widths}")
+        for name in ("topk", "depth", "budget"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"tree {name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.widths) if self.kind == "expansion" else self.depth
+
+
+def choose_children(q: Tensor, width: int, greedy: bool, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """(F, V) q → (F, W) child tokens and (F, W) validity.
+
+    Greedy: the W most likely tokens. Sampling: W sequential draws without replacement (the order
+    of the Gumbel-top-k keys is the order of the draws); tokens with q = 0 are never drawn, so a
+    row with fewer than W candidates yields invalid slots.
+    """
+    w = min(width, q.shape[-1])
+    if greedy:
+        tokens = torch.topk(q, w, dim=-1).indices  # (F, W)
+        return tokens, torch.ones_like(tokens, dtype=torch.bool)
+    u = torch.rand(q.shape, generator=generator, device=q.device).clamp_(min=1e-20)
+    keys = q.log() - (-u.log()).log()  # log q + Gumbel noise; -inf where q = 0
+    top = torch.topk(keys, w, dim=-1)
+    return top.indices, torch.isfinite(top.values)
+
+
+def select_frontier(cum_logq: Tensor, topk: int) -> Tensor:
+    """Indices (≤ topk,) of the frontier nodes with the largest cumulative log q."""
+    k = min(topk, cum_logq.shape[0])
+    return torch.topk(cum_logq, k).indices.sort().values
+
+
+def rerank_keep(cum_logq: Tensor, depth: Tensor, budget: int) -> Tensor:
+    """(N,) bool: the ``budget`` nodes with the largest cumulative log q.
+
+    A node's cumulative probability never exceeds its parent's, and ties break towards the
+    shallower node, so the kept set is closed under ancestors (always a valid tree).
+    """
+    n = cum_logq.shape[0]
+    if n <= budget:
+        return torch.ones(n, dtype=torch.bool, device=cum_logq.device)
+    score = cum_logq.double() - 1e-9 * depth.double()
+    keep = torch.zeros(n, dtype=torch.bool, device=cum_logq.device)
+    keep[torch.topk(score, budget).indices] = True
+    return keep
+
+
+def subtree(tree: TokenTree, keep: Tensor) -> tuple[TokenTree, Tensor]:
+    """Restrict a tree to an ancestor-closed node set; returns it and (N_kept,) old indices."""
+    old = keep.nonzero().squeeze(-1)  # (K,) increasing, so still topological
+    new_index = torch.full((tree.size,), -1, dtype=torch.long, device=keep.device)
+    new_index[old] = torch.arange(old.shape[0], device=keep.device)
+    par = tree.parents[old]
+    new_par = torch.where(par >= 0, new_index[par.clamp(min=0)], par)
+    assert bool((new_par[par >= 0] >= 0).all()), "kept node set must be closed under ancestors"
+    t = TokenTree(
+        tokens=tree.tokens[old], parents=new_par, depth=tree.depth[old], proposer=tree.proposer[old],
+        q_prob=tree.q_prob[old], dist_row=tree.dist_row[old], q_dists=tree.q_dists,
+    )
+    return t, old
+
+
+def merge_trees(trees: list[TokenTree], dedupe: bool) -> tuple[TokenTree, list[Tensor]]:
+    """Merge several SSMs' trees into one; returns it and, per input tree, (N_i,) merged indices.
+
+    With ``dedupe`` (greedy decoding) nodes with the same token under the same merged parent are
+    shared, so common prefixes are verified once. Without it (sampling) every draft node stays its
+    own node: two SSMs drawing the same token are two independent samples, and the stochastic
+    verifier needs each (see verify_stochastic). Draft distributions are concatenated.
+    """
+    if len(trees) == 1:
+        return trees[0], [torch.arange(trees[0].size)]
+    tokens, parents, depth, proposer, q_prob, dist_row = [], [], [], [], [], []
+    dists, row_offset = [], 0
+    children: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
+    maps = []
+    for tree in trees:
+        tk, pa, dp = tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist()  # host sync, once
+        pr, qp, dr = tree.proposer.tolist(), tree.q_prob.tolist(), tree.dist_row.tolist()
+        local = []
+        for i in range(tree.size):
+            mp = local[pa[i]] if pa[i] >= 0 else -1
+            key = (mp, tk[i])
+            if dedupe and key in children:
+                local.append(children[key])
+                continue
+            children[key] = len(tokens)
+            local.append(len(tokens))
+            tokens.append(tk[i])
+            parents.append(mp)
+            depth.append(dp[i])
+            proposer.append(pr[i])
+            q_prob.append(qp[i])
+            dist_row.append(dr[i] + row_offset if dr[i] >= 0 else -1)
+        if tree.q_dists is not None:
+            dists.append(tree.q_dists)
+            row_offset += tree.q_dists.shape[0]
+        maps.append(torch.tensor(local, dtype=torch.long))
+    # Nodes were appended tree by tree, so a node shared with an earlier tree always precedes
+    # the new nodes below it: the merged order stays topological.
+    long = dict(dtype=torch.long)
+    merged = TokenTree(
+        tokens=torch.tensor(tokens, **long), parents=torch.tensor(parents, **long),
+        depth=torch.tensor(depth, **long), proposer=torch.tensor(proposer, **long),
+        q_prob=torch.tensor(q_prob, dtype=torch.float32), dist_row=torch.tensor(dist_row, **long),
+        q_dists=torch.cat(dists) if dists else None,
+    )
+    return merged, maps
+
+
+TREE_POLICIES = ("expansion", "dynamic")

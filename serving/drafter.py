@@ -1,0 +1,143 @@
+"""Drafters: anything that proposes a token tree for the committed text.
+
+Shape legend: T committed tokens, F frontier nodes, W children per node, V vocabulary, N nodes.
+
+An SSM drafter keeps its own KV cache. Its cache layout during a step is
+``[committed tokens (T)] [draft nodes it fed, in feed order]``; every node of one depth is fed in
+one forward with a tree mask (the same tree attention as the LLM's verification). After the
+verification, ``accept`` keeps the accepted nodes it had fed (gathered into place after the
+committed tokens) and drops the rest; what it lacks (nodes other SSMs proposed, the bonus token)
+is fed at the start of the next ``draft``. The committed prefix is never re-run.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from boosttune.serving.builders import TreeConfig, choose_children, rerank_keep, select_frontier, subtree
+from boosttune.serving.runner import ModelRunner
+from boosttune.serving.sampling import SamplingParams, logits_to_probs
+from boosttune.serving.tree import TokenTree, ancestor_mask
+
+
+class Drafter(Protocol):
+    """Proposes a tree rooted at the last committed token, then learns which path was accepted."""
+
+    def reset(self) -> None: ...
+
+    def draft(self, committed: Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> TokenTree:
+        """Tree for the (T,) committed tokens; its root is ``committed[-1]``."""
+        ...
+
+    def accept(self, accepted: list[int]) -> None:
+        """``accepted``: this drafter's node indices on the accepted path, from the root down,
+        stopping where the accepted path leaves this drafter's tree."""
+        ...
+
+
+class SSMDrafter:
+    """A small causal LM that drafts a tree depth by depth (one forward per depth)."""
+
+    def __init__(self, runner: ModelRunner, tree: TreeConfig, index: int = 0):
+        self.runner = runner
+        self.tree_config = tree
+        self.index = index
+        self._synced = 0  # committed tokens whose KV entries sit at the start of the cache
+        self._committed_len = 0  # committed length at the last draft
+        self._slots: Tensor = torch.zeros(0, dtype=torch.long)  # (N,) cache offset of each node, -1 unfed
+
+    def reset(self) -> None:
+        self.runner.reset()
+        self._synced = 0
+
+    def _catch_up(self, committed: Tensor) -> Tensor:
+        """Feed the committed tokens the cache lacks; returns (V,) logits after the last one."""
+        self.runner.crop(self._synced)
+        logits = self.runner.forward_chain(committed[self._synced :].to(self.runner.device))
+        self._synced = committed.shape[0]
+        return logits[-1]
+
+    @torch.inference_mode()
+    def draft(self, committed: Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> TokenTree:
+        cfg = self.tree_config
+        greedy = sampling.greedy
+        t = committed.shape[0]
+        self._committed_len = t
+        q_root = logits_to_probs(self._catch_up(committed).unsqueeze(0), sampling)  # (1, V)
+
+        tokens, parents, q_prob, dist_row = [], [], [], []
+        cum, depths = [], []
+        dists = []
+        fed: list[int] = []  # node indices in cache order after the committed tokens
+        frontier = torch.tensor([-1])  # node indices being expanded (-1 = root)
+        q_frontier = q_root  # (F, V)
+        cum_frontier = torch.zeros(1)
+        for d in range(cfg.max_depth):
+            if cfg.kind == "dynamic":
+                width = cfg.topk
+                if d > 0:
+                    sel = select_frontier(cum_frontier, cfg.topk)
+                    frontier, q_frontier, cum_frontier = frontier[sel], q_frontier[sel], cum_frontier[sel]
+            else:
+                width = cfg.widths[d]
+            child_tok, valid = choose_children(q_frontier, width, greedy, generator)  # (F, W)
+            child_q = q_frontier.gather(1, child_tok)  # (F, W)
+            if not greedy:
+                rows = torch.arange(len(dists), len(dists) + q_frontier.shape[0])
+                dists.append(q_frontier)
+            else:
+                rows = torch.full((q_frontier.shape[0],), -1)
+            f, w = child_tok.shape
+            par = frontier.unsqueeze(1).expand(f, w)
+            new_idx = torch.arange(len(tokens), len(tokens) + int(valid.sum()))
+            tokens += child_tok[valid].tolist()  # host sync: once per depth
+            parents += par[valid].tolist()
+            q_prob += child_q[valid].tolist()
+            dist_row += rows.unsqueeze(1).expand(f, w)[valid].tolist()
+            new_cum = (cum_frontier.unsqueeze(1) + child_q.clamp(min=1e-30).log())[valid]
+            cum += new_cum.tolist()
+            depths += [d + 1] * int(valid.sum())
+            if d + 1 == cfg.max_depth or new_idx.numel() == 0:
+                break
+            # feed the new nodes: they see the committed prefix, their fed ancestors and themselves
+            par_t = torch.tensor(parents, dtype=torch.long)
+            anc = ancestor_mask(par_t)  # (N, N)
+            order = torch.tensor(fed + new_idx.tolist(), dtype=torch.long)
+            mask = anc[new_idx][:, order]  # (F', fed + F')
+            pos = (t - 1 + d + 1) + torch.zeros(1, new_idx.numel(), dtype=torch.long)
+            logits = self.runner.forward(
+                torch.tensor(tokens, dtype=torch.long)[new_idx].unsqueeze(0), pos, t, mask
+            )
+            fed += new_idx.tolist()
+            frontier = new_idx
+            q_frontier = logits_to_probs(logits, sampling)  # (F', V)
+            cum_frontier = new_cum
+
+        long = dict(dtype=torch.long)
+        n = len(tokens)
+        tree = TokenTree(
+            tokens=torch.tensor(tokens, **long), parents=torch.tensor(parents, **long),
+            depth=torch.tensor(depths, **long), proposer=torch.full((n,), self.index, **long),
+            q_prob=torch.tensor(q_prob, dtype=torch.float32), dist_row=torch.tensor(dist_row, **long),
+            q_dists=torch.cat(dists) if dists else None,
+        )
+        slots = torch.full((n,), -1, **long)
+        slots[torch.tensor(fed, **long)] = torch.arange(len(fed))
+        if cfg.kind == "dynamic" and greedy:
+            tree, old = subtree(tree, rerank_keep(torch.tensor(cum), tree.depth, cfg.budget))
+            slots = slots[old]
+        self._slots = slots
+        return tree
+
+    def accept(self, accepted: list[int]) -> None:
+        keep = []
+        for node in accepted:
+            slot = int(self._slots[node])
+            if slot < 0:
+                break
+            keep.append(slot)
+        self.runner.keep(self._committed_len, torch.tensor(keep, dtype=torch.long))
+        self._synced = self._committed_len + len(keep)

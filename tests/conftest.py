@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny random llama models (unit tests) and the offline switch."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def tiny_llama(seed: int, vocab: int = 64, layers: int = 2, hidden: int = 32, init: float = 0.4) -> LlamaForCausalLM:
+    """A random llama whose logits are far from ties (large init), fp32, eval mode."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=init, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def perturbed(model: LlamaForCausalLM, seed: int, noise: float) -> LlamaForCausalLM:
+    """A copy of ``model`` with Gaussian noise on every weight: an SSM that agrees partly."""
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
+    return other
+
+
+@pytest.fixture(scope="session")
+def llm() -> LlamaForCausalLM:
+    return tiny_llama(0)
