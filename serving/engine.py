@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from transformers import PreTrainedModel
 
-from boosttune.serving.builders import merge_trees
-from boosttune.serving.drafter import Drafter
+from boosttune.serving.builders import TreeConfig, merge_trees
+from boosttune.serving.drafter import Drafter, SSMDrafter
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams, logits_to_probs, sample
 from boosttune.serving.stops import StopCriteria
@@ -70,6 +71,11 @@ class SpeculativeEngine:
     def __init__(self, llm: ModelRunner, drafters: Sequence[Drafter]):
         self.llm = llm
         self.drafters = list(drafters)
+
+    @classmethod
+    def from_models(cls, llm: PreTrainedModel, ssms: Sequence[PreTrainedModel], tree: TreeConfig) -> SpeculativeEngine:
+        """An engine whose SSMs all draft the same tree shape."""
+        return cls(ModelRunner(llm), [SSMDrafter(ModelRunner(m), tree, i) for i, m in enumerate(ssms)])
 
     def _draft(self, committed: Tensor, sampling: SamplingParams, gen: torch.Generator) -> tuple[TokenTree, list[Tensor]]:
         if not self.drafters:

@@ -1,0 +1,207 @@
+"""`boosttune bench`: incremental decoding, HF assisted generation and our engine, side by side.
+
+All methods run in one process, one after another on each question, after a warm-up, on the same
+prompt ids; speedups are ratios of tokens/s measured in this run (the machine is noisy). Per-question
+answers follow Spec-Bench's schema (``new_tokens``, ``wall_time``, ``accept_lengths`` per turn;
+Xia et al. 2024, arXiv 2401.07851) in ``DIR/<method>.jsonl``; ``DIR/summary.json`` holds the totals.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from boosttune.models import LoadedModel, check_same_vocabulary, load_model, model_vocab_size, parse_dtype
+from boosttune.prompts import Prompt, encode_prompt, read_prompts
+from boosttune.serving.builders import TreeConfig
+from boosttune.serving.decode import incremental_generate
+from boosttune.serving.engine import GenerationResult, SpeculativeEngine
+from boosttune.serving.stops import StopCriteria
+
+METHODS = ("baseline", "hf_assisted", "ours")
+
+
+@dataclass
+class BenchConfig:
+    """What `boosttune bench` runs.
+
+    Attributes:
+        llm: LLM reference ("default", a local path or a hub id).
+        ssms: SSM references; the first is also HF assisted generation's assistant.
+        questions: JSONL/text file of prompts (MT-bench's question.jsonl: first turns are used).
+        out: output directory.
+        limit: use the first ``limit`` questions (0 = all).
+        max_new_tokens: tokens generated per question.
+        dtype: dtype of every model in every method ("fp32" or "bf16").
+        tree: the tree each SSM drafts.
+        chat: apply the LLM's chat template.
+        methods: which of baseline, hf_assisted, ours to run.
+    """
+
+    llm: str
+    ssms: list[str]
+    questions: str
+    out: str
+    limit: int = 0
+    max_new_tokens: int = 128
+    dtype: str = "fp32"
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    chat: bool = True
+    methods: tuple[str, ...] = METHODS
+
+    def validate(self) -> None:
+        if not self.ssms and ("ours" in self.methods or "hf_assisted" in self.methods):
+            raise ValueError("--ssm is required for the 'ours' and 'hf_assisted' methods (give at least one)")
+        if not Path(self.questions).is_file():
+            raise ValueError(f"--questions: no such file: {self.questions}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.limit < 0:
+            raise ValueError(f"--limit must be >= 0, got {self.limit}")
+        unknown = set(self.methods) - set(METHODS)
+        if unknown:
+            raise ValueError(f"--methods: unknown {sorted(unknown)}; choose from {list(METHODS)}")
+        parse_dtype(self.dtype)
+
+
+def _hf_assisted(llm: LoadedModel, ssm: LoadedModel, ids: list[int], stop: StopCriteria) -> GenerationResult:
+    """HF transformers assisted generation (greedy), the peer in every table."""
+    start = time.perf_counter()
+    inp = torch.tensor([ids], device=llm.model.device)
+    out = llm.model.generate(
+        inp, attention_mask=torch.ones_like(inp), assistant_model=ssm.model, do_sample=False,
+        max_new_tokens=stop.max_new_tokens, eos_token_id=sorted(stop.eos_token_ids) or None,
+        pad_token_id=llm.tokenizer.pad_token_id or llm.tokenizer.eos_token_id,
+    )
+    new = out[0, len(ids):].tolist()
+    new, finish = stop.cut([], new)
+    return GenerationResult(new, [], time.perf_counter() - start, finish or "length")
+
+
+def _answer_record(prompt: Prompt, res: GenerationResult, text: str, model_id: str) -> dict:
+    return {
+        "question_id": prompt.id, "category": prompt.category, "model_id": model_id,
+        "answer_id": f"{model_id}-{prompt.id}", "tstamp": time.time(),
+        "choices": [{
+            "index": 0, "turns": [text], "new_tokens": [len(res.tokens)], "wall_time": [res.wall_time],
+            "accept_lengths": res.accept_lengths,
+        }],
+    }
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
+    """Runs the benchmark, writes DIR/*.jsonl and DIR/summary.json, returns the summary."""
+    cfg.validate()
+    dtype = parse_dtype(cfg.dtype)
+    prompts = read_prompts(cfg.questions)
+    if cfg.limit:
+        prompts = prompts[: cfg.limit]
+    if not prompts:
+        raise ValueError(f"--questions: no prompts found in {cfg.questions}")
+    llm = load_model(cfg.llm, dtype=dtype)
+    ssms = [load_model(ref, dtype=dtype) for ref in cfg.ssms]
+    for ref, ssm in zip(cfg.ssms, ssms, strict=True):
+        check_same_vocabulary(llm.tokenizer, ssm.tokenizer, model_vocab_size(llm.model), model_vocab_size(ssm.model), ref)
+    tok = llm.tokenizer
+    eos = frozenset(i for i in [tok.eos_token_id, llm.model.generation_config.eos_token_id] if isinstance(i, int))
+    stop = StopCriteria(max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos)
+    engine = SpeculativeEngine.from_models(llm.model, [s.model for s in ssms], cfg.tree)
+    runners: dict[str, Callable[[list[int]], GenerationResult]] = {
+        "baseline": lambda ids: incremental_generate(llm.model, ids, stop),
+        "hf_assisted": lambda ids: _hf_assisted(llm, ssms[0], ids, stop),
+        "ours": lambda ids: engine.generate(ids, stop),
+    }
+    methods = [m for m in METHODS if m in cfg.methods]
+    encoded = [encode_prompt(tok, p, chat=cfg.chat) for p in prompts]
+    warm = StopCriteria(max_new_tokens=8, eos_token_ids=eos)
+    for m in methods:  # warm-up: first calls pay for lazy initialisation
+        {"baseline": lambda ids: incremental_generate(llm.model, ids, warm),
+         "hf_assisted": lambda ids: _hf_assisted(llm, ssms[0], ids, warm),
+         "ours": lambda ids: engine.generate(ids, warm)}[m](encoded[0])
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[GenerationResult]] = {m: [] for m in methods}
+    files = {m: open(out / f"{m}.jsonl", "w") for m in methods}
+    try:
+        for prompt, ids in tqdm(list(zip(prompts, encoded, strict=True)), desc="bench", disable=not progress):
+            for m in methods:
+                res = runners[m](ids)
+                results[m].append(res)
+                text = tok.decode(res.tokens, skip_special_tokens=True)
+                files[m].write(json.dumps(_answer_record(prompt, res, text, m)) + "\n")
+                files[m].flush()
+    finally:
+        for f in files.values():
+            f.close()
+    summary = summarize(results, cfg)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig) -> dict:
+    """Spec-Bench style totals: tokens/s is the mean over questions of new tokens / wall time."""
+    def tps(m: str) -> float:
+        return _mean([len(r.tokens) / r.wall_time for r in results.get(m, [])])
+
+    ours = results.get("ours", [])
+    base = results.get("baseline", [])
+    hf = results.get("hf_assisted", [])
+    steps = sum(r.steps for r in ours)
+    summary = {
+        "total": len(next(iter(results.values()))),
+        "tau": sum(len(r.tokens) for r in ours) / steps if steps else float("nan"),
+        "tokens_per_s": tps("ours"),
+        "baseline_tokens_per_s": tps("baseline"),
+        "hf_assisted_tokens_per_s": tps("hf_assisted"),
+        "greedy_identical": sum(a.tokens == b.tokens for a, b in zip(ours, base, strict=True)) if base else None,
+        "hf_assisted_identical": sum(a.tokens == b.tokens for a, b in zip(hf, base, strict=True)) if base and hf else None,
+        "dtype": cfg.dtype,
+        "llm": cfg.llm,
+        "ssms": cfg.ssms,
+        "tree": asdict(cfg.tree),
+        "max_new_tokens": cfg.max_new_tokens,
+        "mean_new_tokens": _mean([len(r.tokens) for r in ours or base]),
+        "threads": torch.get_num_threads(),
+    }
+    summary["speedup_vs_baseline"] = summary["tokens_per_s"] / summary["baseline_tokens_per_s"] if base and ours else None
+    summary["speedup_vs_hf_assisted"] = summary["tokens_per_s"] / summary["hf_assisted_tokens_per_s"] if hf and ours else None
+    return summary
+
+
+def format_table(summary: dict) -> str:
+    """The summary as a small text table."""
+    rows = [
+        ("method", "tokens/s", "tau", "speedup"),
+        ("baseline (incremental)", f"{summary['baseline_tokens_per_s']:.2f}", "1.00", "1.00"),
+        ("hf_assisted", f"{summary['hf_assisted_tokens_per_s']:.2f}", "-",
+         _ratio(summary["hf_assisted_tokens_per_s"], summary["baseline_tokens_per_s"])),
+        ("ours (token tree)", f"{summary['tokens_per_s']:.2f}", f"{summary['tau']:.2f}",
+         _ratio(summary["tokens_per_s"], summary["baseline_tokens_per_s"])),
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append(
+        f"dtype={summary['dtype']}  questions={summary['total']}  greedy_identical={summary['greedy_identical']}"
+        f"  speedup_vs_hf_assisted={_fmt(summary['speedup_vs_hf_assisted'])}"
+    )
+    return "\n".join(lines)
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if a == a and b == b and b else "-"
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"

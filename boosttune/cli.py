@@ -1,0 +1,129 @@
+"""The `boosttune` command line: bench and generate (train, export and serve come with their issues)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from boosttune.serving.builders import TreeConfig
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,1,3,1, got {text!r}") from None
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--llm", default="default", help="LLM: 'default' (SmolLM2-135M-Instruct), a local path or a hub id")
+    p.add_argument("--ssm", action="append", default=[], metavar="SSM",
+                   help="an SSM (path or hub id); repeat for several; 'default' uses the LLM itself as SSM")
+    p.add_argument("--dtype", default="fp32", help="fp32 or bf16 for every model (default fp32)")
+    p.add_argument("--tree", default="expansion", choices=["expansion", "dynamic"], help="tree policy")
+    p.add_argument("--widths", type=_int_list, default=TreeConfig().widths,
+                   help="expansion: children per node at each depth (default 1,1,3,1,1,1,1,1, SpecInfer's)")
+    p.add_argument("--topk", type=int, default=TreeConfig().topk, help="dynamic: frontier and children per depth")
+    p.add_argument("--depth", type=int, default=TreeConfig().depth, help="dynamic: draft depth")
+    p.add_argument("--budget", type=int, default=TreeConfig().budget, help="dynamic: nodes kept (greedy)")
+
+
+def _tree(args: argparse.Namespace) -> TreeConfig:
+    return TreeConfig(kind=args.tree, widths=args.widths, topk=args.topk, depth=args.depth, budget=args.budget)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="boosttune", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("bench", help="incremental vs HF assisted vs token-tree speculative decoding")
+    _add_model_args(b)
+    b.add_argument("--questions", required=True, help="JSONL (MT-bench, {prompt}, {text}) or text file")
+    b.add_argument("--limit", type=int, default=0, help="first N questions (0 = all)")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--out", required=True, help="output directory (answers JSONL + summary.json)")
+    b.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    b.add_argument("--methods", default="baseline,hf_assisted,ours", help="comma-separated subset")
+
+    g = sub.add_parser("generate", help="one prompt, streamed to the terminal, with statistics")
+    _add_model_args(g)
+    g.add_argument("prompt")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    return parser
+
+
+def _ssm_refs(args: argparse.Namespace) -> list[str]:
+    return [args.llm if s == "default" else s for s in args.ssm]
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from boosttune.bench import BenchConfig, format_table, run_bench
+
+    cfg = BenchConfig(
+        llm=args.llm, ssms=_ssm_refs(args), questions=args.questions, out=args.out, limit=args.limit,
+        max_new_tokens=args.max_new_tokens, dtype=args.dtype, tree=_tree(args), chat=not args.no_chat,
+        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+    )
+    summary = run_bench(cfg)
+    print(format_table(summary))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from boosttune.models import check_same_vocabulary, load_model, model_vocab_size, parse_dtype
+    from boosttune.prompts import encode_prompt
+    from boosttune.serving.engine import SpeculativeEngine
+    from boosttune.serving.sampling import SamplingParams
+    from boosttune.serving.stops import StopCriteria
+
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    tree = _tree(args)
+    dtype = parse_dtype(args.dtype)
+    llm = load_model(args.llm, dtype=dtype)
+    ssms = [load_model(ref, dtype=dtype) for ref in _ssm_refs(args)]
+    for ref, s in zip(_ssm_refs(args), ssms, strict=True):
+        check_same_vocabulary(llm.tokenizer, s.tokenizer, model_vocab_size(llm.model), model_vocab_size(s.model), ref)
+    tok = llm.tokenizer
+    ids = encode_prompt(tok, args.prompt, chat=not args.no_chat)
+    eos = frozenset(i for i in [tok.eos_token_id] if isinstance(i, int))
+    engine = SpeculativeEngine.from_models(llm.model, [s.model for s in ssms], tree)
+    shown: list[int] = []
+    printed = ""
+
+    def stream(new: list[int]) -> None:
+        nonlocal printed
+        shown.extend(new)
+        text = tok.decode(shown, skip_special_tokens=True)
+        sys.stdout.write(text[len(printed):])
+        sys.stdout.flush()
+        printed = text
+
+    res = engine.generate(ids, StopCriteria(max_new_tokens=args.max_new_tokens, eos_token_ids=eos), sampling, stream)
+    print()
+    print(
+        f"[{len(res.tokens)} tokens in {res.wall_time:.2f} s = {len(res.tokens) / res.wall_time:.1f} tok/s; "
+        f"steps {res.steps}; tau {res.tau:.2f}; finish {res.finish_reason}; SSM hits {res.proposer_hits}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"bench": cmd_bench, "generate": cmd_generate}[args.command](args)
+    except ValueError as e:  # configuration errors: one clear line, no traceback
+        print(f"boosttune {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

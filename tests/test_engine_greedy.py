@@ -1,0 +1,83 @@
+"""Greedy speculative output must be token-identical to incremental decoding (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import perturbed, tiny_llama
+
+from boosttune.serving.builders import TreeConfig
+from boosttune.serving.decode import incremental_generate
+from boosttune.serving.drafter import SSMDrafter
+from boosttune.serving.engine import SpeculativeEngine
+from boosttune.serving.runner import ModelRunner
+from boosttune.serving.stops import StopCriteria
+
+TREES = {
+    "chain": TreeConfig(widths=(1, 1, 1, 1)),
+    "specinfer": TreeConfig(widths=(1, 1, 3, 1, 1, 1, 1, 1)),
+    "wide": TreeConfig(widths=(3, 2, 2)),
+    "dynamic": TreeConfig(kind="dynamic", topk=3, depth=4, budget=12),
+}
+
+
+def engine(llm, ssms, trees) -> SpeculativeEngine:
+    drafters = [SSMDrafter(ModelRunner(s), t, i) for i, (s, t) in enumerate(zip(ssms, trees, strict=True))]
+    return SpeculativeEngine(ModelRunner(llm), drafters)
+
+
+@pytest.mark.parametrize("tree", sorted(TREES))
+@pytest.mark.parametrize("seed", range(6))
+def test_single_ssm_matches_incremental(tree, seed):
+    llm = tiny_llama(seed)
+    ssm = perturbed(llm, seed + 100, noise=0.15)
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(2, 64, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+    stop = StopCriteria(max_new_tokens=33)
+    ref = incremental_generate(llm, prompt, stop)
+    out = engine(llm, [ssm], [TREES[tree]]).generate(prompt, stop)
+    assert out.tokens == ref.tokens
+    assert sum(out.accept_lengths) == len(out.tokens) == 33
+    assert out.steps < 33, "a 15%-noise copy of the LLM should get some drafts accepted"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_merged_ssms_match_incremental(seed):
+    llm = tiny_llama(seed, layers=3)
+    ssms = [perturbed(llm, seed + 10 * k, noise=0.1 + 0.1 * k) for k in range(3)]
+    trees = [TREES["specinfer"], TREES["wide"], TREES["dynamic"]]
+    prompt = [3, 4, 5, 6, 7][: seed + 1]
+    stop = StopCriteria(max_new_tokens=40)
+    ref = incremental_generate(llm, prompt, stop)
+    out = engine(llm, ssms, trees).generate(prompt, stop)
+    assert out.tokens == ref.tokens
+    assert sum(out.proposer_hits) > 0
+
+
+def test_llm_as_its_own_ssm_accepts_every_draft():
+    llm = tiny_llama(3)
+    stop = StopCriteria(max_new_tokens=25)
+    out = engine(llm, [llm], [TreeConfig(widths=(1, 1, 1, 1))]).generate([5, 6], stop)
+    assert out.tokens == incremental_generate(llm, [5, 6], stop).tokens
+    assert out.accept_lengths == [5, 5, 5, 5, 5]
+
+
+def test_eos_and_max_new_tokens_cut_inside_a_step():
+    llm = tiny_llama(4)
+    ref = incremental_generate(llm, [9, 8], StopCriteria(max_new_tokens=30)).tokens
+    eos = ref[6]
+    first = ref.index(eos)
+    stop = StopCriteria(max_new_tokens=30, eos_token_ids=frozenset({eos}))
+    out = engine(llm, [llm], [TreeConfig(widths=(1,) * 5)]).generate([9, 8], stop)
+    assert out.tokens == ref[: first + 1] and out.finish_reason == "stop"
+    stop = StopCriteria(max_new_tokens=7)
+    out = engine(llm, [llm], [TreeConfig(widths=(1,) * 5)]).generate([9, 8], stop)
+    assert out.tokens == ref[:7] and out.finish_reason == "length"
+
+
+def test_no_drafters_is_plain_incremental_decoding():
+    llm = tiny_llama(5)
+    stop = StopCriteria(max_new_tokens=12)
+    out = SpeculativeEngine(ModelRunner(llm), []).generate([1, 2, 3], stop)
+    assert out.tokens == incremental_generate(llm, [1, 2, 3], stop).tokens
+    assert out.accept_lengths == [1] * 12

@@ -1,0 +1,121 @@
+"""A wheel install and an editable install both provide boosttune's four packages, and nothing top level.
+
+PyPI has unrelated distributions called `kernels` and `scheduler` (DESIGN.md, "Layout and import
+names"), so our folders must install only as `boosttune.kernels`, `boosttune.scheduler` and
+`boosttune.serving`. Each install goes into a fresh virtual environment without system site
+packages and without torch or transformers, which also proves that the package `__init__` files stay
+import-light. Nothing is downloaded: builds use this environment's setuptools (--no-build-isolation)
+and installs use --no-deps --no-index.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = {  # import name -> folder in the repository
+    "boosttune": "boosttune",
+    "boosttune.serving": "serving",
+    "boosttune.kernels": "kernels",
+    "boosttune.scheduler": "scheduler",
+}
+FOREIGN = ["kernels", "scheduler", "serving"]  # must not be importable as top-level modules
+
+# Run by the fresh environment's python: where each module comes from, whether the foreign names
+# resolve, and which non-stdlib modules importing ours pulled in.
+PROBE = f"""
+import importlib, importlib.util, json, sys
+files = {{name: importlib.import_module(name).__file__ for name in {list(PACKAGES)!r}}}
+foreign = {{name: importlib.util.find_spec(name) is not None for name in {FOREIGN!r}}}
+loaded = sorted({{m.split(".")[0] for m in sys.modules}} - set(sys.stdlib_module_names) - {{"__main__"}})
+print(json.dumps({{"files": files, "foreign": foreign, "loaded": loaded}}))
+"""
+
+
+def run(*args: str | Path, cwd: Path | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    result = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def source_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's build inputs copied to a temporary folder, so build outputs never touch the repo."""
+    src = tmp_path_factory.mktemp("install") / "src"
+    src.mkdir()
+    shutil.copy2(REPO / "pyproject.toml", src)
+    readme = REPO / "README.md"
+    if readme.is_file():
+        shutil.copy2(readme, src)
+    else:  # pyproject names a readme; it may not be written yet
+        (src / "README.md").write_text("# boosttune\n")
+    for folder in PACKAGES.values():
+        shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return src
+
+
+def fresh_venv(path: Path) -> Path:
+    """A new virtual environment without system site packages; returns its python."""
+    # --without-pip: installs are done by this environment's pip (--python or --prefix), which is
+    # much faster than bootstrapping pip into every venv.
+    run(sys.executable, "-m", "venv", "--without-pip", path)
+    python = path / "bin" / "python"
+    assert python.exists()
+    return python
+
+
+def probe(python: Path, cwd: Path) -> dict:
+    # -I: ignore PYTHON* variables and keep the working directory off sys.path.
+    return json.loads(run(python, "-I", "-c", PROBE, cwd=cwd))
+
+
+def site_packages(venv: Path) -> Path:
+    return venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+
+
+def test_wheel_install(source_copy: Path) -> None:
+    work = source_copy.parent
+    dist = work / "dist"
+    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", dist,
+        source_copy)  # fmt: skip
+    (wheel,) = dist.glob("boosttune-*.whl")
+    venv = work / "venv-wheel"
+    python = fresh_venv(venv)
+    run(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", wheel)
+
+    outside = work / "elsewhere"
+    outside.mkdir()
+    result = probe(python, outside)
+    site = site_packages(venv).resolve()
+    for name, file in result["files"].items():
+        expected = site.joinpath(*name.split("."), "__init__.py")
+        assert Path(file).resolve() == expected, name
+    assert not any(result["foreign"].values()), result["foreign"]
+    assert result["loaded"] == ["boosttune"]  # no torch, transformers, ... at package import time
+    assert not any((site / name).exists() for name in FOREIGN)
+
+
+def test_editable_install(source_copy: Path) -> None:
+    work = source_copy.parent
+    venv = work / "venv-editable"
+    python = fresh_venv(venv)
+    # The fresh venv has no setuptools and there is no network, so the editable wheel is built by this
+    # environment (--no-build-isolation) and installed into the venv's prefix.
+    run(sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+        "--prefix", venv, "-e", source_copy)  # fmt: skip
+
+    outside = work / "elsewhere-editable"
+    outside.mkdir()
+    result = probe(python, outside)
+    for name, folder in PACKAGES.items():
+        expected = source_copy.resolve() / folder / "__init__.py"
+        assert Path(result["files"][name]).resolve() == expected, name
+    assert not any(result["foreign"].values()), result["foreign"]
+    assert [m for m in result["loaded"] if not m.startswith("__editable__")] == ["boosttune"]
