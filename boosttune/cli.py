@@ -28,10 +28,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=TreeConfig().topk, help="dynamic: frontier and children per depth")
     p.add_argument("--depth", type=int, default=TreeConfig().depth, help="dynamic: draft depth")
     p.add_argument("--budget", type=int, default=TreeConfig().budget, help="dynamic: nodes kept (greedy)")
+    p.add_argument("--min-prob", type=float, default=TreeConfig().min_prob,
+                   help="stop expanding branches whose cumulative draft probability is below this (0 = never)")
 
 
 def _tree(args: argparse.Namespace) -> TreeConfig:
-    return TreeConfig(kind=args.tree, widths=args.widths, topk=args.topk, depth=args.depth, budget=args.budget)
+    return TreeConfig(kind=args.tree, widths=args.widths, topk=args.topk, depth=args.depth, budget=args.budget,
+                      min_prob=args.min_prob)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,6 +36,10 @@ class TreeConfig:
         topk: dynamic only: frontier nodes expanded per depth, and children per expanded node.
         depth: dynamic only: number of draft depths.
         budget: dynamic only: nodes kept after re-ranking (greedy decoding).
+        min_prob: stop expanding a node whose cumulative draft probability (product of q along
+            its path) is below this; 0 expands every node the policy allows. Saves SSM forwards
+            on branches the LLM is unlikely to accept. Deciding *whether to expand* from drafted
+            values keeps stochastic verification exact (see verify_stochastic).
     """
 
     kind: str = "expansion"
@@ -43,6 +47,7 @@ class TreeConfig:
     topk: int = 4
     depth: int = 6
     budget: int = 32
+    min_prob: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in TREE_POLICIES:
@@ -50,6 +55,8 @@ class TreeConfig:
         object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
         if self.kind == "expansion" and (not self.widths or min(self.widths) < 1):
             raise ValueError(f"tree widths must be a non-empty list of positive ints, got {self.widths}")
+        if not 0.0 <= self.min_prob < 1.0:
+            raise ValueError(f"tree min_prob must be in [0, 1), got {self.min_prob}")
         for name in ("topk", "depth", "budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"tree {name} must be >= 1, got {getattr(self, name)}")

@@ -12,6 +12,7 @@ is fed at the start of the next ``draft``. The committed prefix is never re-run.
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -100,6 +101,9 @@ class SSMDrafter:
             new_cum = (cum_frontier.unsqueeze(1) + child_q.clamp(min=1e-30).log())[valid]
             cum += new_cum.tolist()
             depths += [d + 1] * int(valid.sum())
+            if cfg.min_prob > 0.0:  # expand only branches the SSM still believes in
+                live = new_cum >= math.log(cfg.min_prob)
+                new_idx, new_cum = new_idx[live], new_cum[live]
             if d + 1 == cfg.max_depth or new_idx.numel() == 0:
                 break
             # feed the new nodes: they see the committed prefix, their fed ancestors and themselves

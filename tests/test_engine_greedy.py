@@ -18,6 +18,7 @@ TREES = {
     "specinfer": TreeConfig(widths=(1, 1, 3, 1, 1, 1, 1, 1)),
     "wide": TreeConfig(widths=(3, 2, 2)),
     "dynamic": TreeConfig(kind="dynamic", topk=3, depth=4, budget=12),
+    "pruned": TreeConfig(widths=(2, 2, 2, 1, 1), min_prob=0.05),
 }
 
 

@@ -65,7 +65,7 @@ def models():
 
 
 def make_engine(llm, ssms) -> SpeculativeEngine:
-    trees = [TreeConfig(widths=(2, 2)), TreeConfig(kind="dynamic", topk=2, depth=2)]
+    trees = [TreeConfig(widths=(2, 2), min_prob=0.15), TreeConfig(kind="dynamic", topk=2, depth=2)]
     from boosttune.serving.drafter import SSMDrafter
     from boosttune.serving.runner import ModelRunner
 

@@ -1,0 +1,81 @@
+"""`boosttune bench` / `generate` end to end on tiny random models with the default's tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import perturbed, tiny_llama
+from transformers import AutoTokenizer
+
+from boosttune.cli import main
+from boosttune.models import resolve_model_path
+
+MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench" / "question.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    """An LLM and an SSM (a noisy copy) with the default LLM's 49,152-token tokenizer."""
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("default"))
+    root = tmp_path_factory.mktemp("models")
+    llm = tiny_llama(21, vocab=len(tok), hidden=32, init=0.1)
+    llm.config.eos_token_id = tok.eos_token_id
+    ssm = perturbed(llm, 22, noise=0.1)
+    for name, model in [("llm", llm), ("ssm", ssm)]:
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    other = tiny_llama(23, vocab=64, hidden=32)
+    other.save_pretrained(root / "other")
+    AutoTokenizer.from_pretrained(resolve_model_path("default")).save_pretrained(root / "other")
+    return root
+
+
+def test_bench_writes_spec_bench_answers_and_summary(tiny_dirs, tmp_path, capsys):
+    out = tmp_path / "bench"
+    rc = main([
+        "bench", "--llm", str(tiny_dirs / "llm"), "--ssm", str(tiny_dirs / "ssm"), "--questions", str(MT_BENCH),
+        "--limit", "3", "--max-new-tokens", "12", "--widths", "2,1,1", "--out", str(out),
+    ])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ["tau", "tokens_per_s", "baseline_tokens_per_s", "hf_assisted_tokens_per_s", "speedup_vs_baseline",
+                "speedup_vs_hf_assisted", "greedy_identical", "total", "dtype"]:
+        assert key in summary, key
+    assert summary["total"] == 3 and summary["greedy_identical"] == 3 and summary["dtype"] == "fp32"
+    assert summary["tau"] >= 1.0
+    for method in ["baseline", "hf_assisted", "ours"]:
+        rows = [json.loads(line) for line in (out / f"{method}.jsonl").read_text().splitlines()]
+        assert [r["question_id"] for r in rows] == ["81", "82", "83"]
+        choice = rows[0]["choices"][0]
+        assert set(choice) >= {"turns", "new_tokens", "wall_time", "accept_lengths"}
+        assert choice["new_tokens"][0] > 0 and choice["wall_time"][0] > 0
+    ours = [json.loads(line) for line in (out / "ours.jsonl").read_text().splitlines()]
+    assert all(sum(r["choices"][0]["accept_lengths"]) == r["choices"][0]["new_tokens"][0] for r in ours)
+    assert "greedy_identical=3" in capsys.readouterr().out
+
+
+def test_generate_streams_text_and_statistics(tiny_dirs, capsys):
+    rc = main(["generate", "--llm", str(tiny_dirs / "llm"), "--ssm", str(tiny_dirs / "ssm"), "Hello there",
+               "--max-new-tokens", "10", "--temperature", "0.7", "--seed", "3"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "tau" in err and "tokens in" in err
+
+
+def test_bad_input_fails_fast_naming_the_field(tiny_dirs, tmp_path, capsys):
+    rc = main(["bench", "--llm", str(tiny_dirs / "llm"), "--ssm", str(tiny_dirs / "ssm"),
+               "--questions", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o")])
+    assert rc == 2 and "--questions" in capsys.readouterr().err
+    rc = main(["bench", "--llm", str(tiny_dirs / "llm"), "--questions", str(MT_BENCH), "--out", str(tmp_path / "o")])
+    assert rc == 2 and "--ssm" in capsys.readouterr().err
+    rc = main(["generate", "--llm", str(tiny_dirs / "llm"), "--ssm", str(tiny_dirs / "ssm"), "hi", "--top-p", "0"])
+    assert rc == 2 and "top_p" in capsys.readouterr().err
+
+
+def test_ssm_with_another_vocabulary_is_refused(tiny_dirs, tmp_path, capsys):
+    rc = main(["bench", "--llm", str(tiny_dirs / "llm"), "--ssm", str(tiny_dirs / "other"), "--questions", str(MT_BENCH),
+               "--limit", "1", "--out", str(tmp_path / "o")])
+    assert rc == 2
+    assert "other" in capsys.readouterr().err
