@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     return parser
 
@@ -109,7 +110,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         printed = text
 
-    res = engine.generate(ids, StopCriteria(max_new_tokens=args.max_new_tokens, eos_token_ids=eos), sampling, stream)
+    stop = StopCriteria(max_new_tokens=args.max_new_tokens, eos_token_ids=eos, stop_strings=tuple(args.stop), tokenizer=tok)
+    res = engine.generate(ids, stop, sampling, stream)
     print()
     print(
         f"[{len(res.tokens)} tokens in {res.wall_time:.2f} s = {len(res.tokens) / res.wall_time:.1f} tok/s; "
