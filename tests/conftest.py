@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -13,6 +14,10 @@ import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# ../shared/data beside the checkout (CI lays a copy there); BOOSTTUNE_SHARED overrides it.
+SHARED_DATA = Path(os.environ.get("BOOSTTUNE_SHARED", Path(__file__).resolve().parents[2] / "shared")) / "data"
+MT_BENCH = SHARED_DATA / "mt_bench" / "question.jsonl"
 
 
 def tiny_llama(seed: int, vocab: int = 64, layers: int = 2, hidden: int = 32, init: float = 0.4) -> LlamaForCausalLM:

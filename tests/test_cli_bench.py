@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from conftest import perturbed, tiny_llama
+from conftest import MT_BENCH, perturbed, tiny_llama
 from transformers import AutoTokenizer
 
 from boosttune.cli import main
 from boosttune.models import resolve_model_path
-
-MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench" / "question.jsonl"
 
 
 @pytest.fixture(scope="module")

@@ -106,10 +106,15 @@ def test_editable_install(source_copy: Path) -> None:
     work = source_copy.parent
     venv = work / "venv-editable"
     python = fresh_venv(venv)
-    # The fresh venv has no setuptools and there is no network, so the editable wheel is built by this
-    # environment (--no-build-isolation) and installed into the venv's prefix.
-    run(sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-        "--prefix", venv, "-e", source_copy)  # fmt: skip
+    # The fresh venv has no setuptools and there is no network, so this environment builds the
+    # editable wheel (PEP 660, setuptools' build_editable) and pip --python installs it there.
+    # Not `pip install --prefix VENV -e`: that uninstalls this environment's own boosttune first.
+    dist = work / "dist-editable"
+    dist.mkdir()
+    run(sys.executable, "-c", f"from setuptools import build_meta; print(build_meta.build_editable({str(dist)!r}))",
+        cwd=source_copy)
+    (wheel,) = dist.glob("*.whl")
+    run(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", wheel)
 
     outside = work / "elsewhere-editable"
     outside.mkdir()
