@@ -116,18 +116,20 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     eos = frozenset(i for i in [tok.eos_token_id, llm.model.generation_config.eos_token_id] if isinstance(i, int))
     stop = StopCriteria(max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos)
     engine = SpeculativeEngine.from_models(llm.model, [s.model for s in ssms], cfg.tree)
-    runners: dict[str, Callable[[list[int]], GenerationResult]] = {
-        "baseline": lambda ids: incremental_generate(llm.model, ids, stop),
-        "hf_assisted": lambda ids: _hf_assisted(llm, ssms[0], ids, stop),
-        "ours": lambda ids: engine.generate(ids, stop),
-    }
+
+    def runners(stop: StopCriteria) -> dict[str, Callable[[list[int]], GenerationResult]]:
+        return {
+            "baseline": lambda ids: incremental_generate(llm.model, ids, stop),
+            "hf_assisted": lambda ids: _hf_assisted(llm, ssms[0], ids, stop),
+            "ours": lambda ids: engine.generate(ids, stop),
+        }
+
     methods = [m for m in METHODS if m in cfg.methods]
     encoded = [encode_prompt(tok, p, chat=cfg.chat) for p in prompts]
-    warm = StopCriteria(max_new_tokens=8, eos_token_ids=eos)
-    for m in methods:  # warm-up: first calls pay for lazy initialisation
-        {"baseline": lambda ids: incremental_generate(llm.model, ids, warm),
-         "hf_assisted": lambda ids: _hf_assisted(llm, ssms[0], ids, warm),
-         "ours": lambda ids: engine.generate(ids, warm)}[m](encoded[0])
+    warm_up = runners(StopCriteria(max_new_tokens=8, eos_token_ids=eos))
+    for m in methods:  # first calls pay for lazy initialisation
+        warm_up[m](encoded[0])
+    run = runners(stop)
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -136,7 +138,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     try:
         for prompt, ids in tqdm(list(zip(prompts, encoded, strict=True)), desc="bench", disable=not progress):
             for m in methods:
-                res = runners[m](ids)
+                res = run[m](ids)
                 results[m].append(res)
                 text = tok.decode(res.tokens, skip_special_tokens=True)
                 files[m].write(json.dumps(_answer_record(prompt, res, text, m)) + "\n")
