@@ -38,7 +38,9 @@ class BenchConfig:
         out: output directory.
         limit: use the first ``limit`` questions (0 = all).
         max_new_tokens: tokens generated per question.
-        dtype: dtype of every model in every method ("fp32" or "bf16").
+        dtype: dtype of the LLM in every method, and of the SSMs unless ``ssm_dtype`` is set.
+        ssm_dtype: dtype of the SSMs (None: ``dtype``). Only the LLM's numerics decide the output,
+            so a bf16 SSM under an fp32 LLM stays token-identical to fp32 decoding.
         tree: the tree each SSM drafts.
         chat: apply the LLM's chat template.
         methods: which of baseline, hf_assisted, ours to run.
@@ -51,6 +53,7 @@ class BenchConfig:
     limit: int = 0
     max_new_tokens: int = 128
     dtype: str = "fp32"
+    ssm_dtype: str | None = None
     tree: TreeConfig = field(default_factory=TreeConfig)
     chat: bool = True
     methods: tuple[str, ...] = METHODS
@@ -68,6 +71,8 @@ class BenchConfig:
         if unknown:
             raise ValueError(f"--methods: unknown {sorted(unknown)}; choose from {list(METHODS)}")
         parse_dtype(self.dtype)
+        if self.ssm_dtype is not None:
+            parse_dtype(self.ssm_dtype)
 
 
 def _hf_assisted(llm: LoadedModel, ssm: LoadedModel, ids: list[int], stop: StopCriteria) -> GenerationResult:
@@ -109,7 +114,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     if not prompts:
         raise ValueError(f"--questions: no prompts found in {cfg.questions}")
     llm = load_model(cfg.llm, dtype=dtype)
-    ssms = [load_model(ref, dtype=dtype) for ref in cfg.ssms]
+    ssms = [load_model(ref, dtype=parse_dtype(cfg.ssm_dtype or cfg.dtype)) for ref in cfg.ssms]
     for ref, ssm in zip(cfg.ssms, ssms, strict=True):
         check_same_vocabulary(llm.tokenizer, ssm.tokenizer, model_vocab_size(llm.model), model_vocab_size(ssm.model), ref)
     tok = llm.tokenizer
@@ -169,6 +174,7 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig) -> d
         "greedy_identical": sum(a.tokens == b.tokens for a, b in zip(ours, base, strict=True)) if base else None,
         "hf_assisted_identical": sum(a.tokens == b.tokens for a, b in zip(hf, base, strict=True)) if base and hf else None,
         "dtype": cfg.dtype,
+        "ssm_dtype": cfg.ssm_dtype or cfg.dtype,
         "llm": cfg.llm,
         "ssms": cfg.ssms,
         "tree": asdict(cfg.tree),
@@ -195,7 +201,7 @@ def format_table(summary: dict) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append(
-        f"dtype={summary['dtype']}  questions={summary['total']}  greedy_identical={summary['greedy_identical']}"
+        f"dtype={summary['dtype']} (SSMs {summary['ssm_dtype']})  questions={summary['total']}  greedy_identical={summary['greedy_identical']}"
         f"  speedup_vs_hf_assisted={_fmt(summary['speedup_vs_hf_assisted'])}"
     )
     return "\n".join(lines)

@@ -21,7 +21,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llm", default="default", help="LLM: 'default' (SmolLM2-135M-Instruct), a local path or a hub id")
     p.add_argument("--ssm", action="append", default=[], metavar="SSM",
                    help="an SSM (path or hub id); repeat for several; 'default' uses the LLM itself as SSM")
-    p.add_argument("--dtype", default="fp32", help="fp32 or bf16 for every model (default fp32)")
+    p.add_argument("--dtype", default="fp32", help="fp32 or bf16 for the LLM, and the SSMs unless --ssm-dtype (default fp32)")
+    p.add_argument("--ssm-dtype", default=None, help="dtype of the SSMs (default: --dtype); the output depends only on the LLM's")
     p.add_argument("--tree", default="expansion", choices=["expansion", "dynamic"], help="tree policy")
     p.add_argument("--widths", type=_int_list, default=TreeConfig().widths,
                    help="expansion: children per node at each depth (default 1,1,3,1,1,1,1,1, SpecInfer's)")
@@ -72,7 +73,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     cfg = BenchConfig(
         llm=args.llm, ssms=_ssm_refs(args), questions=args.questions, out=args.out, limit=args.limit,
-        max_new_tokens=args.max_new_tokens, dtype=args.dtype, tree=_tree(args), chat=not args.no_chat,
+        max_new_tokens=args.max_new_tokens, dtype=args.dtype, ssm_dtype=args.ssm_dtype, tree=_tree(args), chat=not args.no_chat,
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
     )
     summary = run_bench(cfg)
@@ -92,7 +93,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tree = _tree(args)
     dtype = parse_dtype(args.dtype)
     llm = load_model(args.llm, dtype=dtype)
-    ssms = [load_model(ref, dtype=dtype) for ref in _ssm_refs(args)]
+    ssms = [load_model(ref, dtype=parse_dtype(args.ssm_dtype or args.dtype)) for ref in _ssm_refs(args)]
     for ref, s in zip(_ssm_refs(args), ssms, strict=True):
         check_same_vocabulary(llm.tokenizer, s.tokenizer, model_vocab_size(llm.model), model_vocab_size(s.model), ref)
     tok = llm.tokenizer

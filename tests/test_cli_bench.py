@@ -76,3 +76,15 @@ def test_ssm_with_another_vocabulary_is_refused(tiny_dirs, tmp_path, capsys):
                "--limit", "1", "--out", str(tmp_path / "o")])
     assert rc == 2
     assert "other" in capsys.readouterr().err
+
+
+def test_bf16_ssm_under_fp32_llm_stays_identical(tiny_dirs, tmp_path):
+    out = tmp_path / "mixed"
+    rc = main([
+        "bench", "--llm", str(tiny_dirs / "llm"), "--ssm", str(tiny_dirs / "ssm"), "--questions", str(MT_BENCH),
+        "--limit", "2", "--max-new-tokens", "10", "--ssm-dtype", "bf16", "--methods", "baseline,ours", "--out", str(out),
+    ])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dtype"] == "fp32" and summary["ssm_dtype"] == "bf16"
+    assert summary["greedy_identical"] == summary["total"] == 2
