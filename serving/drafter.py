@@ -42,10 +42,13 @@ class Drafter(Protocol):
 class SSMDrafter:
     """A small causal LM that drafts a tree depth by depth (one forward per depth)."""
 
-    def __init__(self, runner: ModelRunner, tree: TreeConfig, index: int = 0):
+    def __init__(self, runner: ModelRunner, tree: TreeConfig, index: int = 0, vocab_size: int | None = None):
+        """``vocab_size``: the LLM's logit width V; an SSM with embedding rows padded differently
+        has its logits cut or padded (with -inf, q = 0) to V so p and q share one support."""
         self.runner = runner
         self.tree_config = tree
         self.index = index
+        self.vocab_size = vocab_size
         self._synced = 0  # committed tokens whose KV entries sit at the start of the cache
         self._committed_len = 0  # committed length at the last draft
         self._slots: Tensor = torch.zeros(0, dtype=torch.long)  # (N,) cache offset of each node, -1 unfed
@@ -59,7 +62,17 @@ class SSMDrafter:
         self.runner.crop(self._synced)
         logits = self.runner.forward_chain(committed[self._synced :].to(self.runner.device))
         self._synced = committed.shape[0]
-        return logits[-1]
+        return self._fit(logits[-1])
+
+    def _fit(self, logits: Tensor) -> Tensor:
+        """(..., V_ssm) logits → (..., V) in the LLM's vocabulary width."""
+        v = self.vocab_size
+        if v is None or logits.shape[-1] == v:
+            return logits
+        if logits.shape[-1] > v:
+            return logits[..., :v]
+        pad = logits.new_full((*logits.shape[:-1], v - logits.shape[-1]), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
 
     @torch.inference_mode()
     def draft(self, committed: Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> TokenTree:
@@ -117,7 +130,7 @@ class SSMDrafter:
             )
             fed += new_idx.tolist()
             frontier = new_idx
-            q_frontier = logits_to_probs(logits, sampling)  # (F', V)
+            q_frontier = logits_to_probs(self._fit(logits), sampling)  # (F', V)
             cum_frontier = new_cum
 
         long = dict(dtype=torch.long)

@@ -75,7 +75,8 @@ class SpeculativeEngine:
     @classmethod
     def from_models(cls, llm: PreTrainedModel, ssms: Sequence[PreTrainedModel], tree: TreeConfig) -> SpeculativeEngine:
         """An engine whose SSMs all draft the same tree shape."""
-        return cls(ModelRunner(llm), [SSMDrafter(ModelRunner(m), tree, i) for i, m in enumerate(ssms)])
+        v = llm.get_output_embeddings().weight.shape[0]
+        return cls(ModelRunner(llm), [SSMDrafter(ModelRunner(m), tree, i, vocab_size=v) for i, m in enumerate(ssms)])
 
     def _draft(self, committed: Tensor, sampling: SamplingParams, gen: torch.Generator) -> tuple[TokenTree, list[Tensor]]:
         if not self.drafters:

@@ -82,3 +82,14 @@ def test_no_drafters_is_plain_incremental_decoding():
     out = SpeculativeEngine(ModelRunner(llm), []).generate([1, 2, 3], stop)
     assert out.tokens == incremental_generate(llm, [1, 2, 3], stop).tokens
     assert out.accept_lengths == [1] * 12
+
+
+@pytest.mark.parametrize("extra", [8, 16])
+def test_ssm_with_padded_vocabulary_matches_incremental(extra):
+    llm = tiny_llama(6)
+    ssm = perturbed(llm, 60, noise=0.1)
+    ssm.resize_token_embeddings(64 + extra)
+    stop = StopCriteria(max_new_tokens=20)
+    ref = incremental_generate(llm, [4, 5, 6], stop)
+    out = SpeculativeEngine.from_models(llm, [ssm], TreeConfig(widths=(2, 1, 1))).generate([4, 5, 6], stop)
+    assert out.tokens == ref.tokens
