@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from boosttune.models import LoadedModel, check_same_vocabulary, load_model, model_vocab_size, parse_dtype
+from boosttune.models import LoadedModel, eos_token_ids, load_llm_and_ssms, parse_dtype
 from boosttune.prompts import Prompt, encode_prompt, read_prompts
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
@@ -113,12 +113,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         prompts = prompts[: cfg.limit]
     if not prompts:
         raise ValueError(f"--questions: no prompts found in {cfg.questions}")
-    llm = load_model(cfg.llm, dtype=dtype)
-    ssms = [load_model(ref, dtype=parse_dtype(cfg.ssm_dtype or cfg.dtype)) for ref in cfg.ssms]
-    for ref, ssm in zip(cfg.ssms, ssms, strict=True):
-        check_same_vocabulary(llm.tokenizer, ssm.tokenizer, model_vocab_size(llm.model), model_vocab_size(ssm.model), ref)
+    llm, ssms = load_llm_and_ssms(cfg.llm, cfg.ssms, dtype, parse_dtype(cfg.ssm_dtype or cfg.dtype))
     tok = llm.tokenizer
-    eos = frozenset(i for i in [tok.eos_token_id, llm.model.generation_config.eos_token_id] if isinstance(i, int))
+    eos = eos_token_ids(llm)
     stop = StopCriteria(max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos)
     engine = SpeculativeEngine.from_models(llm.model, [s.model for s in ssms], cfg.tree)
 

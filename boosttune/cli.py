@@ -83,7 +83,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from boosttune.models import check_same_vocabulary, load_model, model_vocab_size, parse_dtype
+    from boosttune.models import eos_token_ids, load_llm_and_ssms, parse_dtype
     from boosttune.prompts import encode_prompt
     from boosttune.serving.engine import SpeculativeEngine
     from boosttune.serving.sampling import SamplingParams
@@ -92,13 +92,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     tree = _tree(args)
     dtype = parse_dtype(args.dtype)
-    llm = load_model(args.llm, dtype=dtype)
-    ssms = [load_model(ref, dtype=parse_dtype(args.ssm_dtype or args.dtype)) for ref in _ssm_refs(args)]
-    for ref, s in zip(_ssm_refs(args), ssms, strict=True):
-        check_same_vocabulary(llm.tokenizer, s.tokenizer, model_vocab_size(llm.model), model_vocab_size(s.model), ref)
+    llm, ssms = load_llm_and_ssms(args.llm, _ssm_refs(args), dtype, parse_dtype(args.ssm_dtype or args.dtype))
     tok = llm.tokenizer
     ids = encode_prompt(tok, args.prompt, chat=not args.no_chat)
-    eos = frozenset(i for i in [tok.eos_token_id] if isinstance(i, int))
+    eos = eos_token_ids(llm)
     engine = SpeculativeEngine.from_models(llm.model, [s.model for s in ssms], tree)
     shown: list[int] = []
     printed = ""

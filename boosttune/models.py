@@ -321,3 +321,23 @@ def check_same_vocabulary(
                 f"the {who} has {size} embedding rows but the tokenizer emits ids up to {needed - 1}, "
                 f"so some token ids would have no meaning for it; {fix} and embeddings that cover it"
             )
+
+
+def load_llm_and_ssms(
+    llm_ref: str, ssm_refs: list[str], dtype: torch.dtype | str = torch.float32, ssm_dtype: torch.dtype | str | None = None
+) -> tuple[LoadedModel, list[LoadedModel]]:
+    """The LLM and its SSMs, each SSM's vocabulary checked against the LLM's before any decoding."""
+    llm = load_model(llm_ref, dtype=dtype)
+    ssms = [load_model(ref, dtype=ssm_dtype or dtype) for ref in ssm_refs]
+    for ref, ssm in zip(ssm_refs, ssms, strict=True):
+        check_same_vocabulary(
+            llm.tokenizer, ssm.tokenizer, model_vocab_size(llm.model), model_vocab_size(ssm.model), ref
+        )
+    return llm, ssms
+
+
+def eos_token_ids(loaded: LoadedModel) -> frozenset[int]:
+    """End-of-sequence ids from the tokenizer and the generation config (which may list several)."""
+    ids = [loaded.tokenizer.eos_token_id, loaded.model.generation_config.eos_token_id]
+    flat = [i for x in ids for i in (x if isinstance(x, list) else [x])]
+    return frozenset(i for i in flat if isinstance(i, int))
