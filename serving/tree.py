@@ -61,8 +61,13 @@ class TokenTree:
         return TokenTree(z, z.clone(), z.clone(), z.clone(), torch.zeros(0, device=device), z.clone())
 
     def ancestor_mask(self) -> Tensor:
-        """(N, N) bool: ``[i, j]`` is True iff j is i or an ancestor of i."""
-        return ancestor_mask(self.parents)
+        """(N, N) bool: ``[i, j]`` is True iff j is i or an ancestor of i (computed once per tree:
+        the verification inputs and the greedy verifier both need it)."""
+        cached = self.__dict__.get("_ancestor_mask")
+        if cached is None:
+            cached = ancestor_mask(self.parents)
+            object.__setattr__(self, "_ancestor_mask", cached)  # frozen dataclass: cache only
+        return cached
 
 
 def ancestor_mask(parents: Tensor) -> Tensor:
