@@ -1,4 +1,9 @@
-"""The `boosttune` command line: bench and generate (train, export and serve come with their issues)."""
+"""The `boosttune` command line.
+
+bench and generate live here; other commands live in their own modules (``COMMAND_MODULES``), each
+exposing ``add_commands(subparsers) -> dict[str, handler]`` where a handler takes the parsed
+``argparse.Namespace`` and returns an exit code.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,9 @@ import sys
 from collections.abc import Sequence
 
 from boosttune.serving.builders import TreeConfig
+
+# Modules that add subcommands (see the module docstring).
+COMMAND_MODULES: tuple[str, ...] = ()
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -39,7 +47,11 @@ def _tree(args: argparse.Namespace) -> TreeConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="boosttune", description=__doc__)
+    return _build()[0]
+
+
+def _build() -> tuple[argparse.ArgumentParser, dict]:
+    parser = argparse.ArgumentParser(prog="boosttune", description="Boost-tuned SSMs and lossless token-tree speculative inference.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("bench", help="incremental vs HF assisted vs token-tree speculative decoding")
@@ -61,7 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    return parser
+    return parser, _handlers(sub)
+
+
+def _handlers(sub) -> dict:
+    import importlib
+
+    handlers = {"bench": cmd_bench, "generate": cmd_generate}
+    for name in COMMAND_MODULES:
+        handlers.update(importlib.import_module(name).add_commands(sub))
+    return handlers
 
 
 def _ssm_refs(args: argparse.Namespace) -> list[str]:
@@ -120,9 +141,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser, handlers = _build()
+    args = parser.parse_args(argv)
     try:
-        return {"bench": cmd_bench, "generate": cmd_generate}[args.command](args)
+        return handlers[args.command](args)
     except ValueError as e:  # configuration errors: one clear line, no traceback
         print(f"boosttune {args.command}: error: {e}", file=sys.stderr)
         return 2

