@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+torch.set_flush_denormal(True)  # as the CLI does: random tiny models otherwise hit slow subnormal arithmetic
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 # ../shared/data beside the checkout (CI lays a copy there); BOOSTTUNE_SHARED overrides it.

@@ -1,0 +1,172 @@
+"""Distillation of one SSM on teacher samples, as a LightningModule.
+
+A sample is ``prompt + LLM continuation``; the prompt is context only. The loss positions are the
+continuation's: position t predicts token t+1 for t in [len(prompt) - 1, len(sample) - 1). The LM head
+runs only at those positions (with a 49k vocabulary it dominates a small SSM's cost).
+
+Losses: cross-entropy on the LLM's tokens; optionally plus ``distill_weight`` times
+- ``kl``: KL(p_topk || q) where p_topk is the teacher's top-k distribution renormalised, or
+- ``tv``: the total variation distance between p_topk and q, 0.5 * (sum_topk |p - q| + q outside),
+  the quantity that sets speculative acceptance (acceptance = 1 - TV; Leviathan et al. 2023, §3).
+
+Batches are length-bucketed to a padded-token budget and served as a dataset of whole batches, so
+Lightning's distributed sampler hands each DDP rank different batches.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from boosttune.config import OptimConfig
+
+
+@dataclass
+class Sample:
+    ids: list[int]
+    """prompt + continuation tokens."""
+    prompt_len: int
+    topk_ids: list[list[int]] | None = None
+    topk_logprobs: list[list[float]] | None = None
+
+
+def samples_from_teacher(ds, indices: Sequence[int], max_len: int = 0) -> list[Sample]:
+    """Samples for the given rows of the teacher dataset (continuations truncated to ``max_len``)."""
+    cols = ds.column_names
+    sub = ds.select(list(indices))
+    out = []
+    for row in sub:
+        cont = row["output_ids"][:max_len] if max_len else row["output_ids"]
+        if not cont:
+            continue
+        tk = row["topk_ids"][: len(cont)] if "topk_ids" in cols else None
+        tl = row["topk_logprobs"][: len(cont)] if "topk_logprobs" in cols else None
+        out.append(Sample(list(row["input_ids"]) + list(cont), len(row["input_ids"]), tk, tl))
+    return out
+
+
+def plan_batches(lengths: Sequence[int], batch_tokens: int, seed: int | None) -> list[list[int]]:
+    """Sample indices per batch: sorted by length, cut at ``batch_tokens`` padded tokens, shuffled."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        if cur and max(cur_max, lengths[i]) * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, cur_max = [], 0
+        cur.append(i)
+        cur_max = max(cur_max, lengths[i])
+    if cur:
+        batches.append(cur)
+    if seed is not None:
+        random.Random(seed).shuffle(batches)
+    return batches
+
+
+def collate(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded ids, attention mask, loss mask and targets (+ teacher top-k at loss positions)."""
+    width = max(len(s.ids) for s in samples)
+    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    att = torch.zeros((len(samples), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(samples), width), dtype=torch.bool)
+    for r, s in enumerate(samples):
+        ids[r, : len(s.ids)] = torch.tensor(s.ids)
+        att[r, : len(s.ids)] = 1
+        loss_mask[r, s.prompt_len - 1 : len(s.ids) - 1] = True
+    batch = {"input_ids": ids, "attention_mask": att, "loss_mask": loss_mask,
+             "targets": torch.roll(ids, -1, dims=1)}
+    if samples[0].topk_ids is not None:
+        # rows in the same order as loss_mask's True entries (row-major)
+        batch["topk_ids"] = torch.tensor([t for s in samples for t in s.topk_ids], dtype=torch.long)
+        batch["topk_logprobs"] = torch.tensor([t for s in samples for t in s.topk_logprobs], dtype=torch.float32)
+    return batch
+
+
+class BatchDataset(Dataset):
+    """Each item is one pre-planned, collated batch."""
+
+    def __init__(self, samples: Sequence[Sample], batch_tokens: int, pad_id: int, seed: int):
+        self.samples, self.pad_id = list(samples), pad_id
+        self.batches = plan_batches([len(s.ids) for s in self.samples], batch_tokens, seed)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return collate([self.samples[j] for j in self.batches[i]], self.pad_id)
+
+
+def distill_losses(logits: torch.Tensor, targets: torch.Tensor, batch: dict, kind: str) -> dict[str, torch.Tensor]:
+    """CE (+ KL/TV against the teacher's renormalised top-k) at the loss positions; logits (n, V)."""
+    logits = logits.float()
+    out = {"ce": F.cross_entropy(logits, targets)}
+    if kind != "ce" and "topk_ids" in batch:
+        logq = torch.log_softmax(logits, dim=-1)
+        logq_k = logq.gather(1, batch["topk_ids"])  # (n, k)
+        logp_k = torch.log_softmax(batch["topk_logprobs"], dim=-1)  # renormalised top-k
+        if kind == "ce+kl":
+            out["kl"] = (logp_k.exp() * (logp_k - logq_k)).sum(-1).mean()
+        else:
+            q_k = logq_k.exp()
+            out["tv"] = 0.5 * ((logp_k.exp() - q_k).abs().sum(-1) + (1 - q_k.sum(-1)).clamp_min(0)).mean()
+    return out
+
+
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up, then cosine decay to ``min_ratio`` at ``total`` steps."""
+    if step < warmup:
+        return (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+class DistillModule(L.LightningModule):
+    """One SSM learning the LLM's continuations."""
+
+    def __init__(self, model, cfg: OptimConfig):
+        super().__init__()
+        self.model = model
+        self.cfg = cfg
+        self.tokens_seen = 0
+        """Loss tokens over the whole stage (restored on resume)."""
+        self.tokens_this_run = 0
+        """Loss tokens since this process started (for tokens/s)."""
+
+    def _base(self):
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        base = self._base()
+        hidden = base.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        mask = batch["loss_mask"]
+        logits = base.get_output_embeddings()(hidden[mask])
+        targets = batch["targets"][mask]
+        parts = distill_losses(logits, targets, batch, self.cfg.loss)
+        loss = parts["ce"] + self.cfg.distill_weight * sum(v for k, v in parts.items() if k != "ce")
+        n = int(targets.numel())
+        self.tokens_seen += n
+        self.tokens_this_run += n
+        acc = (logits.argmax(-1) == targets).float().mean()
+        self.log_dict({"train/loss": loss.detach(), "train/top1": acc, **{f"train/{k}": v.detach() for k, v in parts.items()}},
+                      prog_bar=True, on_step=True, batch_size=n, sync_dist=False)
+        return loss
+
+    def configure_optimizers(self):
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.98))
+        c = self.cfg
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: lr_lambda(s, c.warmup_steps, c.max_steps, c.min_lr_ratio))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["tokens_seen"] = self.tokens_seen
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.tokens_seen = int(checkpoint.get("tokens_seen", 0))

@@ -1,0 +1,77 @@
+"""τ of a training run's SSMs with the serving engine: each SSM alone and the merged ensemble.
+
+Greedy decoding of held-out prompts (``eval.prompts``, else the run's held-out prompts) with the
+LLM in ``llm.eval_dtype``; every SSM drafts the ``eval.widths`` expansion tree and the ensemble
+merges all SSMs' trees (shared prefixes deduplicated). τ counts the bonus token (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from boosttune import rundir
+from boosttune.config import TrainConfig
+from boosttune.models import eos_token_ids, load_llm_and_ssms, parse_dtype
+from boosttune.prompts import encode_prompt, read_prompts
+from boosttune.serving.builders import TreeConfig
+from boosttune.serving.engine import SpeculativeEngine
+from boosttune.serving.stops import StopCriteria
+from boosttune.sources import TrainPrompt
+
+
+def _ssm_dirs(run: Path, n: int) -> list[Path]:
+    dirs = [run / "ssms" / f"ssm-{k}" for k in range(1, n + 1)]
+    return [d for d in dirs if rundir.is_complete(d)]
+
+
+def eval_prompt_ids(cfg: TrainConfig, tokenizer, held_out: list[TrainPrompt]) -> list[list[int]]:
+    if cfg.eval.prompts:
+        ids = [encode_prompt(tokenizer, p) for p in read_prompts(cfg.eval.prompts)]
+    else:  # chat prompts first: τ on requests is what serving sees
+        ordered = sorted(held_out, key=lambda p: not p.chat)
+        ids = [p.input_ids for p in ordered]
+    return ids[: cfg.eval.limit or None]
+
+
+def tau_of(engine: SpeculativeEngine, prompts: list[list[int]], stop: StopCriteria) -> dict:
+    steps = tokens = 0
+    secs = 0.0
+    for ids in prompts:
+        res = engine.generate(ids, stop)
+        steps += res.steps
+        tokens += len(res.tokens)
+        secs += res.wall_time
+    return {"tau": tokens / max(1, steps), "tokens": tokens, "steps": steps,
+            "tokens_per_s": tokens / secs if secs else 0.0}
+
+
+def evaluate_run(cfg: TrainConfig, run: Path, held_out: list[TrainPrompt]) -> dict:
+    """{"prompts": n, "singles": [{ssm, tau, ...}], "ensemble": {...}} for the run's trained SSMs."""
+    dirs = _ssm_dirs(run, cfg.boost.num_ssms)
+    dtype = parse_dtype(cfg.llm.eval_dtype)
+    llm, ssms = load_llm_and_ssms(cfg.llm.ref, [str(d) for d in dirs], dtype, dtype)
+    prompts = eval_prompt_ids(cfg, llm.tokenizer, held_out)
+    stop = StopCriteria(max_new_tokens=cfg.eval.max_new_tokens, eos_token_ids=eos_token_ids(llm))
+    tree = TreeConfig(kind="expansion", widths=tuple(cfg.eval.widths))
+    t0 = time.perf_counter()
+    out: dict = {"prompts": len(prompts), "max_new_tokens": cfg.eval.max_new_tokens, "dtype": cfg.llm.eval_dtype,
+                 "widths": list(cfg.eval.widths), "singles": []}
+    runs = [(f"ssm-{k + 1}", [s.model]) for k, s in enumerate(ssms)]
+    if len(ssms) > 1:
+        runs.append(("ensemble", [s.model for s in ssms]))
+    for name, models in tqdm(runs, desc="evaluate τ", unit="config", disable=None):
+        r = tau_of(SpeculativeEngine.from_models(llm.model, models, tree), prompts, stop)
+        if name == "ensemble":
+            out["ensemble"] = r
+        else:
+            out["singles"].append({"ssm": name, **r})
+    best = max((s["tau"] for s in out["singles"]), default=0.0)
+    if "ensemble" in out and best:
+        out["ensemble_gain_over_best_single"] = out["ensemble"]["tau"] / best - 1
+    if out["singles"]:
+        out["ensemble_gain_over_first"] = out.get("ensemble", out["singles"][0])["tau"] / out["singles"][0]["tau"] - 1
+    out["seconds"] = time.perf_counter() - t0
+    return out

@@ -1,0 +1,365 @@
+"""`boosttune train`: prompts -> teacher shards -> N boost-tuned SSMs -> evaluation -> scheduler.
+
+Every phase leaves files in the run directory (layout in :mod:`boosttune.rundir`) and skips work
+whose files are already complete, so re-running the same command after any interruption continues
+where it stopped. Multi-process runs (torchrun, SLURM, or ``optim.devices > 1`` on one machine)
+run this same function on every rank (:mod:`boosttune.dist`).
+
+Boost-tuning (SpecInfer, arXiv 2305.09781 §4.2): SSM 1 trains on every training sample; after
+each stage, the samples that SSM matches (:mod:`boosttune.matching`) leave the pool and the next
+SSM trains on the rest. ``boost.mode: independent`` trains every SSM on all samples instead (the
+ablation). Every SSM starts from the same initialisation (``ssm.*``) with its own seed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from boosttune import dist, rundir
+from boosttune.config import ConfigError, TrainConfig, dump_yaml, load_config, to_dict
+from boosttune.distill import samples_from_teacher
+from boosttune.faults import crash_point
+from boosttune.matching import is_match, summarize_agreement, teacher_forced_agreement
+from boosttune.models import eos_token_ids, load_model, parse_dtype, resolve_model_path
+from boosttune.sources import TrainPrompt, collect_prompts, default_seeds
+from boosttune.teacher import load_teacher, run_teacher
+
+# Fields that may differ when a run is resumed (how it runs, not what it computes).
+_RESUMABLE_CHANGES = ("optim.devices", "optim.num_nodes", "optim.accelerator", "optim.strategy", "optim.logger",
+                      "optim.checkpoint_every", "optim.max_minutes", "llm.device", "eval.", "scheduler.")
+PROFILE_DEPTHS = 8
+
+
+def _log(msg: str) -> None:
+    if dist.is_main():
+        print(f"[boosttune train] {msg}", flush=True)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_or_save_config(cfg: TrainConfig, run: Path) -> None:
+    """First run: save the resolved config. Resume: refuse changes that would alter the results."""
+    path = run / "config.yaml"
+    if path.exists():
+        old = load_config(path)
+        a, b = _flatten(to_dict(old)), _flatten(to_dict(cfg))
+        changed = [k for k in sorted(a.keys() | b.keys())
+                   if a.get(k) != b.get(k) and not k.startswith(_RESUMABLE_CHANGES)]
+        if changed:
+            k = changed[0]
+            raise ConfigError(
+                f"{k}: this run directory was started with {k}={a.get(k)!r}, now {b.get(k)!r}; resume with the "
+                f"same settings or use a new --run-dir ({len(changed)} field(s) differ: {', '.join(changed[:5])})")
+    if dist.is_main():
+        rundir.atomic_write_text(path, dump_yaml(cfg))
+
+
+def preflight(cfg: TrainConfig) -> None:
+    """Checks that need no model weights: models resolvable, optional packages present."""
+    import importlib.util
+
+    for where, ref in (("llm.ref", cfg.llm.ref), ("ssm.init", cfg.ssm.init if cfg.ssm.init != "derived" else None)):
+        if ref is not None:
+            try:
+                resolve_model_path(ref)
+            except ValueError as e:
+                raise ConfigError(f"{where}: {e}") from None
+    if cfg.optim.strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError(f"optim.strategy: {cfg.optim.strategy} needs DeepSpeed: pip install 'boosttune[deepspeed]'")
+    if cfg.lora.enabled and importlib.util.find_spec("peft") is None:
+        raise ConfigError("lora.enabled: needs PEFT: pip install 'boosttune[peft]'")
+    if cfg.scheduler.prompts and not Path(cfg.scheduler.prompts).is_file():
+        raise ConfigError(f"scheduler.prompts: file not found: {cfg.scheduler.prompts}")
+
+
+def _device(cfg: TrainConfig) -> str:
+    if cfg.llm.device != "auto":
+        return cfg.llm.device
+    return f"cuda:{dist.local_rank()}" if torch.cuda.is_available() else "cpu"
+
+
+# ------------------------------------------------------------------------------------------ prompts
+def _split(n: int, held_out: float) -> int:
+    h = int(round(n * held_out)) if held_out < 1 else int(held_out)
+    return min(max(h, 0), max(n - 1, 0))
+
+
+def build_prompts(cfg: TrainConfig, run: Path, llm) -> dict:
+    """Rank 0 writes prompts/prompts.jsonl (shuffled; the last ``held_out`` are held out)."""
+    pdir = run / "prompts"
+    if rundir.is_complete(pdir):
+        return json.loads((pdir / rundir.MARKER).read_text())
+    prompts = collect_prompts(cfg.prompts, llm.tokenizer)
+    grown = 0
+    if cfg.prompts.grow:
+        from boosttune.grow import grow_prompts
+
+        llm.model.config._attn_implementation = cfg.teacher.attn_implementation
+        new = grow_prompts(llm.model, llm.tokenizer, default_seeds(), cfg.prompts.grow, eos_token_ids(llm),
+                           seed=cfg.prompts.shuffle_seed, batch_size=cfg.teacher.batch_size)
+        from boosttune.prompts import encode_prompt
+
+        for p in new:
+            ids = encode_prompt(llm.tokenizer, p)
+            if len(ids) <= cfg.prompts.max_prompt_tokens:
+                prompts.append(TrainPrompt(id=p.id, source="grown", category=p.category, chat=True, input_ids=ids,
+                                           text=p.text))
+                grown += 1
+    if len(prompts) < 2:
+        raise ConfigError("prompts.sources: fewer than 2 prompts were found; add sources or raise limits")
+    random.Random(cfg.prompts.shuffle_seed).shuffle(prompts)
+    held = _split(len(prompts), cfg.prompts.held_out)
+    by_source: dict[str, int] = {}
+    for p in prompts:
+        by_source[p.source] = by_source.get(p.source, 0) + 1
+    info = {"count": len(prompts), "train": len(prompts) - held, "held_out": held, "grown": grown,
+            "by_source": by_source}
+    pdir.mkdir(parents=True, exist_ok=True)
+    rundir.atomic_write_text(pdir / "prompts.jsonl", "".join(p.to_json() + "\n" for p in prompts))
+    rundir.mark_complete(pdir, info)
+    return info
+
+
+def read_prompts_file(run: Path) -> list[TrainPrompt]:
+    return [TrainPrompt.from_json(x) for x in (run / "prompts" / "prompts.jsonl").read_text().splitlines() if x]
+
+
+# ------------------------------------------------------------------------------------------ teacher
+def teacher_phase(cfg: TrainConfig, run: Path, llm, prompts: list[TrainPrompt]) -> dict:
+    llm.model.config._attn_implementation = cfg.teacher.attn_implementation
+    stats = run_teacher(llm.model, llm.tokenizer, prompts, cfg.teacher, run / "teacher", eos_token_ids(llm),
+                        rank=dist.rank(), world=dist.world_size(), seed=cfg.optim.seed)
+    if stats["tokens"]:
+        path = run / "teacher" / f"stats-rank{dist.rank():03d}.json"
+        old = json.loads(path.read_text()) if path.exists() else {"tokens": 0, "seconds": 0.0}
+        rundir.atomic_write_json(path, {"tokens": old["tokens"] + stats["tokens"],
+                                        "seconds": old["seconds"] + stats["seconds"]})
+    return stats
+
+
+def teacher_summary(run: Path, ds) -> dict:
+    per_rank = [json.loads(p.read_text()) for p in sorted((run / "teacher").glob("stats-rank*.json"))]
+    tokens = sum(len(x) for x in ds["output_ids"])
+    secs = max((r["seconds"] for r in per_rank), default=0.0)  # ranks run in parallel
+    measured = sum(r["tokens"] for r in per_rank)
+    return {"samples": len(ds), "tokens": tokens, "seconds": secs,
+            "tokens_per_s": measured / secs if secs else None,
+            "stop_fraction": sum(f == "stop" for f in ds["finish"]) / max(1, len(ds))}
+
+
+# ------------------------------------------------------------------------------------------- stages
+def _stage_dir(run: Path, k: int) -> Path:
+    return run / "stages" / f"stage-{k}"
+
+
+def _ssm_dir(run: Path, k: int) -> Path:
+    return run / "ssms" / f"ssm-{k}"
+
+
+def stage_pool(cfg: TrainConfig, run: Path, k: int, n_train: int) -> list[int]:
+    """Training-sample indices of stage ``k`` (boost: minus what stage k-1 matched)."""
+    everything = list(range(n_train))
+    if k == 1 or cfg.boost.mode == "independent":
+        return everything
+    prev = json.loads((_stage_dir(run, k - 1) / "match.json").read_text())
+    if prev["pool_after_size"] < cfg.boost.min_pool:
+        return everything
+    return prev["pool_after"]
+
+
+def _score(model, samples, pad_id: int, autocast: bool) -> dict[int, list[bool]]:
+    """This rank's share of the samples: index -> per-position agreement."""
+    r, w = dist.rank(), dist.world_size()
+    mine = [i for i in range(len(samples)) if i % w == r]
+    rows = teacher_forced_agreement(model, [samples[i] for i in mine], pad_id, autocast=autocast)
+    return dict(zip(mine, rows, strict=True))
+
+
+def _gather_scores(stage_dir: Path, name: str, part: dict[int, list[bool]], n: int) -> list[list[bool]]:
+    """Every rank's scores, through files (works with or without a process group)."""
+    rundir.atomic_write_json(stage_dir / f"{name}-rank{dist.rank():03d}.json", {str(i): v for i, v in part.items()})
+    dist.barrier()
+    rows: list = [None] * n
+    for p in stage_dir.glob(f"{name}-rank*.json"):
+        for i, v in json.loads(p.read_text()).items():
+            rows[int(i)] = v
+    if any(r is None for r in rows):
+        raise RuntimeError(f"{stage_dir}: {name} scores missing for some samples (a rank failed?)")
+    return rows
+
+
+def acceptance_profile(rows: list[list[bool]], depths: int = PROFILE_DEPTHS) -> list[float]:
+    """P(the SSM's greedy draft has at least d tokens accepted), d = 1..depths, teacher forced."""
+    prefix = [next((i for i, h in enumerate(r) if not h), len(r)) for r in rows]
+    return [sum(p >= d for p in prefix) / max(1, len(prefix)) for d in range(1, depths + 1)]
+
+
+def build_init(cfg: TrainConfig, run: Path, llm) -> Path:
+    """Rank 0 saves the SSMs' common starting weights once (every stage starts from them)."""
+    from boosttune.ssm_init import init_ssm
+
+    out = run / "ssm-init"
+    if dist.is_main() and not rundir.is_complete(out):
+        model = init_ssm(llm, cfg.ssm)
+        tmp = out.with_name(f".{out.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        llm.tokenizer.save_pretrained(tmp)
+        rundir.mark_complete(tmp, {"init": cfg.ssm.init})
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    dist.barrier()
+    return out
+
+
+def run_stage(cfg: TrainConfig, run: Path, k: int, init_dir: Path, tokenizer, train, held, pad_id: int) -> dict:
+    """Train SSM ``k`` on its pool, score it, save it; returns the stage's summary."""
+    from transformers import AutoModelForCausalLM
+
+    from boosttune.stage import precision, train_stage
+
+    sdir, out = _stage_dir(run, k), _ssm_dir(run, k)
+    summary_path = sdir / "summary.json"
+    if rundir.is_complete(out) and summary_path.exists():
+        return json.loads(summary_path.read_text())
+    sdir.mkdir(parents=True, exist_ok=True)
+    pool = stage_pool(cfg, run, k, len(train))
+    t0 = time.perf_counter()
+    _log(f"stage {k}/{cfg.boost.num_ssms}: training on {len(pool)} of {len(train)} samples")
+    model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32).train()
+    model, stats = train_stage(model, [train[i] for i in pool], cfg, sdir, pad_id, seed=cfg.optim.seed + k)
+    model.eval()
+    autocast = precision(cfg).startswith("bf16")
+    train_rows = _gather_scores(sdir, "train", _score(model, train, pad_id, autocast), len(train))
+    held_rows = _gather_scores(sdir, "heldout", _score(model, held, pad_id, autocast), len(held))
+    m = cfg.boost.match
+    train_match = [is_match(r, m) for r in train_rows]
+    held_match = [is_match(r, m) for r in held_rows]
+    pool_after = [i for i in pool if not train_match[i]]
+    earlier = [json.loads((_stage_dir(run, j) / "match.json").read_text())["heldout_matched"] for j in range(1, k)]
+    ensemble = [any(x) for x in zip(held_match, *earlier, strict=True)] if held else []
+    match = {"pool": pool, "pool_after": pool_after, "pool_after_size": len(pool_after),
+             "train_matched": train_match, "heldout_matched": held_match}
+    held_agree = summarize_agreement(held_rows)
+    summary = {
+        "stage": k, "ssm_dir": f"ssms/ssm-{k}", "mode": cfg.boost.mode,
+        "pool_before": len(pool), "pool_after": len(pool_after),
+        "match_rate": sum(train_match[i] for i in pool) / max(1, len(pool)),
+        "heldout_match_rate": sum(held_match) / max(1, len(held)),
+        "ensemble_match_rate": sum(ensemble) / max(1, len(held)),
+        "heldout_top1": held_agree["top1"], "heldout_mean_prefix": held_agree["mean_prefix"],
+        "train_top1": summarize_agreement([train_rows[i] for i in pool])["top1"],
+        "acceptance_profile": acceptance_profile(held_rows),
+        **stats, "stage_seconds": time.perf_counter() - t0,
+    }
+    if dist.is_main():
+        rundir.atomic_write_json(sdir / "match.json", match)
+        _save_ssm(model, tokenizer, out, summary)
+        crash_point("ssm-saved")
+        rundir.atomic_write_json(summary_path, summary)
+    dist.barrier()
+    return summary
+
+
+def _save_ssm(model, tokenizer, out: Path, summary: dict) -> None:
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model = model.to(torch.float32)
+    model.config.use_cache = True
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    rundir.atomic_write_json(tmp / "stats.json", summary)
+    rundir.mark_complete(tmp, {"stage": summary["stage"]})
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+# ------------------------------------------------------------------------------------------ report
+def write_report(cfg: TrainConfig, run: Path, teacher: dict, prompts_info: dict, stages: list[dict],
+                 evaluation: dict | None) -> dict:
+    from boosttune.serving.builders import TreeConfig
+
+    report = {
+        "format": rundir.REPORT_FORMAT,
+        "llm": {"ref": cfg.llm.ref, "path": resolve_model_path(cfg.llm.ref), "dtype": cfg.llm.eval_dtype},
+        "tree": asdict(TreeConfig(kind="expansion", widths=tuple(cfg.eval.widths))),
+        "world_size": dist.world_size(),
+        "prompts": prompts_info,
+        "teacher": teacher,
+        "stages": stages,
+        "evaluation": evaluation,
+    }
+    if dist.is_main():
+        rundir.atomic_write_json(run / rundir.REPORT, report)
+    return report
+
+
+# -------------------------------------------------------------------------------------------- main
+def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
+    """Run (or resume) the whole pipeline in ``run_dir``; returns the report."""
+    run = Path(run_dir)
+    dist.init()
+    if dist.is_main():
+        run.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    check_or_save_config(cfg, run)
+    t_start = time.perf_counter()
+    llm = load_model(cfg.llm.ref, parse_dtype(cfg.llm.teacher_dtype), device=_device(cfg))
+    pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else min(eos_token_ids(llm))
+
+    if dist.is_main():
+        build_prompts(cfg, run, llm)
+    dist.barrier()
+    prompts_info = json.loads((run / "prompts" / rundir.MARKER).read_text())
+    prompts = read_prompts_file(run)
+    _log(f"prompts: {prompts_info['count']} ({prompts_info['by_source']}), {prompts_info['held_out']} held out")
+
+    stats = teacher_phase(cfg, run, llm, prompts)
+    if stats["tokens"]:
+        _log(f"teacher: {stats['tokens']} tokens in {stats['seconds']:.0f} s ({stats['tokens_per_s']:.0f} tok/s, rank 0)")
+    dist.barrier()
+    ds = load_teacher(run / "teacher", len(prompts), cfg.teacher.shard_size)
+    teacher = teacher_summary(run, ds)
+    n_train = prompts_info["train"]
+    train_samples = samples_from_teacher(ds, range(n_train))
+    held_samples = samples_from_teacher(ds, range(n_train, len(prompts)))
+    init_dir = build_init(cfg, run, llm)
+    tokenizer = llm.tokenizer
+    del llm  # the LLM is not needed while SSMs train (frees an accelerator's memory)
+
+    stages = []
+    for k in range(1, cfg.boost.num_ssms + 1):
+        stages.append(run_stage(cfg, run, k, init_dir, tokenizer, train_samples, held_samples, pad_id))
+        write_report(cfg, run, teacher, prompts_info, stages, None)
+        s = stages[-1]
+        _log(f"stage {k}: pool {s['pool_before']} -> {s['pool_after']}, match {s['match_rate']:.3f}, "
+             f"held-out top-1 {s['heldout_top1']:.3f}, ensemble held-out match {s['ensemble_match_rate']:.3f}")
+
+    evaluation = None
+    if cfg.eval.enabled and dist.is_main():
+        from boosttune.evaluate import evaluate_run
+
+        evaluation = evaluate_run(cfg, run, prompts[n_train:])
+    report = write_report(cfg, run, teacher, prompts_info, stages, evaluation)
+    dist.barrier()
+    if cfg.scheduler.prompts and dist.is_main():
+        from boosttune.scheduler.train import train_scheduler
+
+        report["scheduler"] = train_scheduler(run, cfg.scheduler)
+    _log(f"done in {time.perf_counter() - t_start:.0f} s; report: {run / rundir.REPORT}")
+    return report

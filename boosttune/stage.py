@@ -1,0 +1,161 @@
+"""One boost-tuning stage's training run: a Lightning Trainer from the typed config, resumable.
+
+Checkpoints are written every ``optim.checkpoint_every`` steps and at the end to a temporary name
+and renamed to ``STAGE_DIR/checkpoints/last.ckpt`` (a file, or a folder under DeepSpeed), so a kill
+at any moment leaves the previous whole checkpoint; running again resumes from it (optimizer,
+scheduler, step and data order included).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from boosttune import dist
+from boosttune.config import TrainConfig
+from boosttune.distill import BatchDataset, DistillModule, Sample
+from boosttune.faults import crash_point
+
+
+class AtomicCheckpoint(L.Callback):
+    """Save ``last.ckpt`` every N optimizer steps and at the end, never leaving a partial one."""
+
+    def __init__(self, path: Path, every: int):
+        self.path, self.every, self._saved_step = path, every, -1
+
+    def _save(self, trainer: L.Trainer) -> None:
+        step = trainer.global_step
+        if step == self._saved_step:
+            return
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        if trainer.is_global_zero and tmp.exists():
+            shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        trainer.strategy.barrier("atomic-ckpt-clean")
+        trainer.save_checkpoint(str(tmp))  # collective under DeepSpeed; ends with a barrier
+        if trainer.is_global_zero:
+            old = self.path.with_name(f".{self.path.name}.old")
+            if self.path.exists():
+                os.replace(self.path, old) if not self.path.is_dir() else self.path.rename(old)
+            os.replace(tmp, self.path) if not tmp.is_dir() else tmp.rename(self.path)
+            if old.exists():
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+        trainer.strategy.barrier("atomic-ckpt-done")
+        self._saved_step = step
+        crash_point("checkpoint")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step > 0 and trainer.global_step % self.every == 0:
+            self._save(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._save(trainer)
+
+
+def resume_checkpoint(path: Path) -> Path | None:
+    """The checkpoint to resume from: ``last.ckpt``, or its predecessor if a kill hit the swap."""
+    if path.exists():
+        return path
+    old = path.with_name(f".{path.name}.old")
+    return old if old.exists() else None
+
+
+def precision(cfg: TrainConfig) -> str:
+    if cfg.optim.precision != "auto":
+        return cfg.optim.precision
+    if torch.cuda.is_available():
+        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    # CPUs with native bf16 (AVX512-BF16 / AMX) run bf16 matmuls several times faster than fp32.
+    native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)() or getattr(
+        torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return "bf16-mixed" if native else "32-true"
+
+
+def _strategy(cfg: TrainConfig):
+    o = cfg.optim
+    if o.strategy.startswith("deepspeed") and o.deepspeed_config:
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(config=o.deepspeed_config)
+    if o.strategy == "ddp" and not torch.cuda.is_available():
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(process_group_backend="gloo")
+    return o.strategy
+
+
+def _logger(cfg: TrainConfig, stage_dir: Path):
+    if cfg.optim.logger == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return CSVLogger(str(stage_dir), name="logs", version=0)
+    if cfg.optim.logger == "tensorboard":
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        return TensorBoardLogger(str(stage_dir), name="tb", version=0)
+    return False
+
+
+def apply_lora(model, cfg: TrainConfig):
+    """Wrap ``model`` with PEFT LoRA adapters (only the adapters train)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:
+        raise ValueError("lora.enabled needs the peft package: pip install 'boosttune[peft]'") from e
+    lc = cfg.lora
+    return get_peft_model(model, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                                            target_modules=list(lc.target_modules), task_type="CAUSAL_LM"))
+
+
+def train_stage(model, samples: list[Sample], cfg: TrainConfig, stage_dir: Path, pad_id: int, seed: int):
+    """Train ``model`` on ``samples``; returns (trained plain HF model, stats)."""
+    o = cfg.optim
+    L.seed_everything(seed, workers=True, verbose=False)
+    if cfg.ssm.freeze_embeddings:
+        model.get_input_embeddings().weight.requires_grad_(False)
+    if cfg.lora.enabled:
+        model = apply_lora(model, cfg)
+    module = DistillModule(model, o)
+    data = BatchDataset(samples, o.batch_tokens, pad_id, seed)
+    loader = DataLoader(data, batch_size=None, shuffle=True, num_workers=0,
+                        generator=torch.Generator().manual_seed(seed))
+    ckpt = stage_dir / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True, exist_ok=True)
+    trainer = L.Trainer(
+        accelerator=o.accelerator, devices=o.devices, num_nodes=o.num_nodes, strategy=_strategy(cfg),
+        precision=precision(cfg), max_steps=o.max_steps, max_epochs=-1,
+        max_time={"minutes": o.max_minutes} if o.max_minutes > 0 else None,
+        accumulate_grad_batches=o.grad_accum, gradient_clip_val=o.grad_clip or None,
+        logger=_logger(cfg, stage_dir), callbacks=[AtomicCheckpoint(ckpt, o.checkpoint_every)],
+        enable_checkpointing=False, default_root_dir=str(stage_dir), log_every_n_steps=5,
+        enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=True,
+    )
+    resume = resume_checkpoint(ckpt)
+    resumed_from = _ckpt_step(resume)  # read now: fit overwrites the file
+    t0 = time.perf_counter()
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=str(resume) if resume else None)
+    secs = time.perf_counter() - t0
+    world = dist.world_size()  # every rank sees a different slice of the batches
+    tokens, tokens_run = module.tokens_seen * world, module.tokens_this_run * world
+    loss = trainer.callback_metrics.get("train/loss")
+    stats = {
+        "steps": int(trainer.global_step), "train_samples": len(samples),
+        "train_tokens": int(tokens), "train_seconds": secs,
+        "train_tokens_per_s": tokens_run / secs if secs > 0 and tokens_run else None,
+        "train_loss": float(loss) if loss is not None else None,
+        "resumed_from_step": resumed_from, "precision": precision(cfg), "world_size": dist.world_size(),
+        "strategy": type(trainer.strategy).__name__,
+    }
+    final = module.model.merge_and_unload() if cfg.lora.enabled else module.model
+    return final, stats
+
+
+def _ckpt_step(path: Path | None) -> int | None:
+    if path is None or path.is_dir():
+        return None
+    return int(torch.load(path, map_location="cpu", weights_only=False).get("global_step", 0))

@@ -1,0 +1,175 @@
+"""Teacher outputs: the LLM's continuations of every prompt, batched, in resumable Arrow shards.
+
+Shard ``k`` holds prompts ``[k * shard_size, (k + 1) * shard_size)`` of the run's prompt set and is
+written by rank ``k % world_size``. A shard is written to a temporary file and renamed into place,
+so a file named ``shard-*.arrow`` is always whole; a killed run redoes only the shard it was
+writing. Shards are Arrow IPC streams, readable as one `datasets.Dataset` (:func:`load_teacher`).
+
+Columns: ``prompt_id`` (str), ``input_ids`` (prompt tokens), ``output_ids`` (the LLM's tokens, cut
+after the first EOS), ``finish`` ("stop" or "length"), and with ``teacher.topk_logprobs = k``:
+``topk_ids`` / ``topk_logprobs`` (k per output position: the LLM's k most likely tokens and their
+log-probabilities after temperature 1, for KL/TV distillation).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+from tqdm import tqdm
+
+from boosttune.config import TeacherConfig
+from boosttune.faults import crash_point
+from boosttune.sources import TrainPrompt
+
+
+@dataclass
+class Continuation:
+    output_ids: list[int]
+    finish: str
+    topk_ids: list[list[int]] | None = None
+    topk_logprobs: list[list[float]] | None = None
+
+
+def schema(topk: int) -> pa.Schema:
+    fields = [
+        pa.field("prompt_id", pa.string()),
+        pa.field("input_ids", pa.list_(pa.int32())),
+        pa.field("output_ids", pa.list_(pa.int32())),
+        pa.field("finish", pa.string()),
+    ]
+    if topk:
+        fields += [pa.field("topk_ids", pa.list_(pa.list_(pa.int32()))),
+                   pa.field("topk_logprobs", pa.list_(pa.list_(pa.float32())))]
+    return pa.schema(fields)
+
+
+def shard_path(teacher_dir: Path, k: int) -> Path:
+    return teacher_dir / f"shard-{k:05d}.arrow"
+
+
+def num_shards(n_prompts: int, shard_size: int) -> int:
+    return (n_prompts + shard_size - 1) // shard_size
+
+
+def my_shards(n: int, rank: int, world: int) -> list[int]:
+    return [k for k in range(n) if k % world == rank]
+
+
+def _cut_at_eos(tokens: list[int], eos: frozenset[int]) -> tuple[list[int], str]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1], "stop"
+    return tokens, "length"
+
+
+def _left_pad(batch: Sequence[Sequence[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(x) for x in batch)
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for r, x in enumerate(batch):
+        ids[r, width - len(x):] = torch.tensor(x, dtype=torch.long)
+        mask[r, width - len(x):] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.inference_mode()
+def generate_batch(
+    model, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, top_p: float,
+    pad_id: int, eos_ids: frozenset[int], topk: int = 0,
+) -> list[Continuation]:
+    """The LLM's continuations of a batch of prompts (left-padded HF ``generate``)."""
+    ids, mask = _left_pad(prompts, pad_id, model.device)
+    sample = temperature > 0
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=sample,
+        temperature=temperature if sample else None, top_p=top_p if sample else None, top_k=None,
+        pad_token_id=pad_id, eos_token_id=sorted(eos_ids), return_dict_in_generate=True, output_logits=topk > 0,
+    )
+    new = out.sequences[:, ids.shape[1]:].tolist()
+    results = []
+    for toks in new:
+        toks, finish = _cut_at_eos(toks, eos_ids)
+        results.append(Continuation(toks, finish))
+    if topk:
+        logits = torch.stack(out.logits, dim=1).float()  # (B, steps, V)
+        lp, ti = torch.log_softmax(logits, dim=-1).topk(topk, dim=-1)
+        for r, c in enumerate(results):
+            n = len(c.output_ids)
+            c.topk_ids, c.topk_logprobs = ti[r, :n].tolist(), lp[r, :n].tolist()
+    return results
+
+
+def _write_shard(path: Path, prompts: Sequence[TrainPrompt], conts: Sequence[Continuation], topk: int) -> None:
+    cols = {
+        "prompt_id": [p.id for p in prompts],
+        "input_ids": [p.input_ids for p in prompts],
+        "output_ids": [c.output_ids for c in conts],
+        "finish": [c.finish for c in conts],
+    }
+    if topk:
+        cols["topk_ids"] = [c.topk_ids for c in conts]
+        cols["topk_logprobs"] = [c.topk_logprobs for c in conts]
+    table = pa.table(cols, schema=schema(topk))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    crash_point("teacher-shard-tmp")
+    os.replace(tmp, path)
+    crash_point("teacher-shard")
+
+
+def run_teacher(
+    model, tokenizer, prompts: Sequence[TrainPrompt], cfg: TeacherConfig, teacher_dir: Path,
+    eos_ids: frozenset[int], rank: int = 0, world: int = 1, seed: int = 0,
+) -> dict:
+    """Write this rank's missing shards; returns what this call generated (tokens, seconds, tok/s)."""
+    teacher_dir.mkdir(parents=True, exist_ok=True)
+    n = num_shards(len(prompts), cfg.shard_size)
+    todo = [k for k in my_shards(n, rank, world) if not shard_path(teacher_dir, k).exists()]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    tokens, t0 = 0, time.perf_counter()
+    bar = tqdm(total=len(todo), desc=f"teacher[rank {rank}]", unit="shard", dynamic_ncols=True, disable=None)
+    for k in todo:
+        shard = list(prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size])
+        # Length-sorted batches pad less; results go back to prompt order.
+        order = sorted(range(len(shard)), key=lambda i: len(shard[i].input_ids))
+        conts: list[Continuation | None] = [None] * len(shard)
+        torch.manual_seed(seed * 100_003 + k)  # sampling teachers: reproducible per shard
+        for b in range(0, len(order), cfg.batch_size):
+            idx = order[b:b + cfg.batch_size]
+            outs = generate_batch(model, [shard[i].input_ids for i in idx], cfg.max_new_tokens, cfg.temperature,
+                                  cfg.top_p, pad, eos_ids, cfg.topk_logprobs)
+            for i, c in zip(idx, outs, strict=True):
+                conts[i] = c
+                tokens += len(c.output_ids)
+            bar.set_postfix(tok=tokens, tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+        _write_shard(shard_path(teacher_dir, k), shard, conts, cfg.topk_logprobs)
+        bar.update(1)
+    bar.close()
+    secs = time.perf_counter() - t0
+    return {"shards_written": len(todo), "tokens": tokens, "seconds": secs,
+            "tokens_per_s": tokens / secs if secs > 0 and tokens else 0.0}
+
+
+def missing_shards(teacher_dir: Path, n_prompts: int, shard_size: int) -> list[int]:
+    return [k for k in range(num_shards(n_prompts, shard_size)) if not shard_path(teacher_dir, k).exists()]
+
+
+def load_teacher(teacher_dir: Path, n_prompts: int, shard_size: int):
+    """All shards as one `datasets.Dataset` in prompt order (every shard must exist)."""
+    import datasets
+
+    missing = missing_shards(teacher_dir, n_prompts, shard_size)
+    if missing:
+        raise RuntimeError(f"{teacher_dir}: teacher shards {missing[:5]} are missing; re-run to finish them")
+    parts = [datasets.Dataset.from_file(str(shard_path(teacher_dir, k)))
+             for k in range(num_shards(n_prompts, shard_size))]
+    return datasets.concatenate_datasets(parts)

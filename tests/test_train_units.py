@@ -1,0 +1,161 @@
+"""Pieces of the training pipeline: prompt sources (real `datasets`), matching, losses, batching, SSM init."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import MT_BENCH, SHARED_DATA, perturbed, tiny_llama
+from transformers import AutoTokenizer
+
+from boosttune.config import MatchConfig, PromptsConfig, SourceConfig, SSMInitConfig
+from boosttune.distill import Sample, collate, distill_losses, lr_lambda, plan_batches
+from boosttune.matching import is_match, teacher_forced_agreement
+from boosttune.models import resolve_model_path
+from boosttune.pipeline import acceptance_profile
+from boosttune.sources import collect_prompts, default_seeds, source_prompts
+from boosttune.ssm_init import derive_ssm
+
+OWT = SHARED_DATA / "openwebtext_sample" / "openwebtext_sample.txt"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(resolve_model_path("tiny-random"))
+
+
+# ------------------------------------------------------------------------------------------ sources
+def test_default_seeds_cover_the_eight_categories() -> None:
+    cats = {p.category for p in default_seeds()}
+    assert cats == {"writing", "coding", "math", "qa", "summarization", "extraction", "roleplay", "translation"}
+    assert len(default_seeds()) >= 100
+
+
+def test_default_source_is_chat_templated(tok) -> None:
+    ps = source_prompts(SourceConfig(kind="default", limit=3), tok, PromptsConfig())
+    assert len(ps) == 3 and all(p.chat for p in ps)
+    assert "<|im_start|>assistant" in tok.decode(ps[0].input_ids)
+
+
+@pytest.mark.skipif(not OWT.is_file(), reason="needs ../shared/data")
+def test_openwebtext_local_text_through_datasets_is_cut_into_chunks(tok) -> None:
+    cfg = PromptsConfig(chunk_tokens=32)
+    ps = source_prompts(SourceConfig(kind="openwebtext", path=str(OWT), limit=50), tok, cfg)
+    assert len(ps) == 50
+    assert all(16 <= len(p.input_ids) <= 32 and not p.chat for p in ps)
+    first_doc = OWT.read_text().split("\n\n")[0]
+    assert tok.decode(ps[0].input_ids).strip() in first_doc  # the first chunk is the corpus's opening text
+
+
+def test_dataset_saved_to_disk_and_parquet(tok, tmp_path) -> None:
+    import datasets
+
+    texts = [f"Document number {i} talks about rivers, mountains and the weather in spring. " * 4 for i in range(6)]
+    ds = datasets.Dataset.from_dict({"body": texts})
+    ds.save_to_disk(str(tmp_path / "saved"))
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    cfg = PromptsConfig(chunk_tokens=16)
+    a = source_prompts(SourceConfig(kind="dataset", path=str(tmp_path / "saved"), text_column="body"), tok, cfg)
+    b = source_prompts(SourceConfig(kind="dataset", path=str(tmp_path / "d.parquet"), text_column="body"), tok, cfg)
+    assert len(a) == len(b) > 6 and [p.input_ids for p in a] == [p.input_ids for p in b]
+    with pytest.raises(ValueError, match="text_column"):
+        source_prompts(SourceConfig(kind="dataset", path=str(tmp_path / "saved")), tok, cfg)
+
+
+def test_hub_dataset_offline_names_the_source(tok, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(ValueError, match="prompts source 'openwebtext' path 'Skylion007/openwebtext'"):
+        source_prompts(SourceConfig(kind="openwebtext"), tok, PromptsConfig())
+
+
+def test_jsonl_chat_prompts_and_dedup(tok) -> None:
+    cfg = PromptsConfig(sources=[SourceConfig(kind="jsonl", path=str(MT_BENCH), limit=5),
+                                 SourceConfig(kind="jsonl", path=str(MT_BENCH), limit=5)])
+    ps = collect_prompts(cfg, tok)
+    assert len(ps) == 5 and all(p.chat for p in ps)
+
+
+# ----------------------------------------------------------------------------------------- matching
+def test_match_criteria() -> None:
+    assert is_match([True] * 4 + [False], MatchConfig(kind="prefix", k=4))
+    assert not is_match([True, False, True, True], MatchConfig(kind="prefix", k=4))
+    assert is_match([True, False, True, False], MatchConfig(kind="fraction", k=4, fraction=0.5))
+    assert not is_match([True, False, False, False], MatchConfig(kind="fraction", k=4, fraction=0.5))
+    assert not is_match([], MatchConfig())
+
+
+def test_acceptance_profile() -> None:
+    rows = [[True, True, False], [False, True], [True, True, True]]
+    assert acceptance_profile(rows, depths=3) == pytest.approx([2 / 3, 2 / 3, 1 / 3])
+
+
+def _greedy_samples(model, n: int, new: int) -> list[Sample]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        prompt = torch.randint(2, 64, (5,), generator=g).tolist()
+        ids = prompt[:]
+        with torch.no_grad():
+            for _ in range(new):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        out.append(Sample(ids, len(prompt)))
+    return out
+
+
+def test_a_model_matches_its_own_greedy_continuations_and_a_perturbed_one_does_not() -> None:
+    llm = tiny_llama(3)
+    samples = _greedy_samples(llm, 4, 10)
+    rows = teacher_forced_agreement(llm, samples, pad_id=1)
+    assert all(all(r) and len(r) == 10 for r in rows)
+    other = teacher_forced_agreement(perturbed(llm, 0, 1.0), samples, pad_id=1)
+    assert not all(all(r) for r in other)
+
+
+# ------------------------------------------------------------------------------------------- losses
+def test_collate_aligns_loss_positions_with_the_continuation() -> None:
+    s = [Sample([5, 6, 7, 8, 9], 2, [[8, 1], [9, 2], [3, 4]], [[-0.1, -3.0]] * 3), Sample([5, 6, 7], 1, [[6, 1], [7, 2]],
+                                                                                        [[-0.1, -3.0]] * 2)]
+    b = collate(s, pad_id=0)
+    assert b["targets"][b["loss_mask"]].tolist() == [7, 8, 9, 6, 7]
+    assert b["topk_ids"][:, 0].tolist() == [8, 9, 3, 6, 7]  # one teacher row per loss position, in order
+    assert b["input_ids"][1].tolist() == [5, 6, 7, 0, 0]
+
+
+def test_kl_and_tv_vanish_when_the_student_equals_the_teacher_topk() -> None:
+    teacher_lp = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    ids = torch.tensor([[4, 2, 9]])
+    logits = torch.full((1, 12), -1e4)
+    logits[0, ids[0]] = teacher_lp[0]
+    batch = {"topk_ids": ids, "topk_logprobs": teacher_lp}
+    kl = distill_losses(logits, torch.tensor([4]), batch, "ce+kl")
+    tv = distill_losses(logits, torch.tensor([4]), batch, "ce+tv")
+    assert kl["kl"].item() == pytest.approx(0.0, abs=1e-5) and tv["tv"].item() == pytest.approx(0.0, abs=1e-5)
+    assert kl["ce"].item() == pytest.approx(-math.log(0.7), rel=1e-4)
+    uniform = distill_losses(torch.zeros((1, 12)), torch.tensor([4]), batch, "ce+tv")["tv"].item()
+    # TV(p, uniform over 12) with p = (.7,.2,.1) on three ids: 0.5 * (|.7-1/12|+|.2-1/12|+|.1-1/12| + 9/12)
+    assert uniform == pytest.approx(0.5 * (0.7 - 1 / 12 + 0.2 - 1 / 12 + 0.1 - 1 / 12 + 9 / 12), rel=1e-4)
+
+
+def test_lr_schedule_and_batch_budget() -> None:
+    assert lr_lambda(0, 10, 100, 0.1) == pytest.approx(0.1)
+    assert lr_lambda(9, 10, 100, 0.1) == pytest.approx(1.0)
+    assert lr_lambda(100, 10, 100, 0.1) == pytest.approx(0.1)
+    lengths = [3, 50, 7, 20, 20, 9, 64, 1]
+    batches = plan_batches(lengths, 64, seed=0)
+    assert sorted(i for b in batches for i in b) == list(range(8))
+    assert all(max(lengths[i] for i in b) * len(b) <= 64 for b in batches)
+
+
+# --------------------------------------------------------------------------------------------- init
+def test_derived_ssm_copies_llm_layers_and_projects_embeddings() -> None:
+    llm = tiny_llama(0, layers=3, hidden=32)
+    ssm = derive_ssm(llm, SSMInitConfig(layers=[2]))
+    assert ssm.config.num_hidden_layers == 1 and ssm.config.tie_word_embeddings
+    assert torch.equal(ssm.model.layers[0].mlp.up_proj.weight, llm.model.layers[2].mlp.up_proj.weight)
+    assert torch.equal(ssm.model.embed_tokens.weight, llm.model.embed_tokens.weight)
+    narrow = derive_ssm(llm, SSMInitConfig(layers=[], num_layers=2, hidden_size=16))
+    assert narrow.config.hidden_size == 16 and narrow(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 64)
+    with pytest.raises(ValueError, match="ssm.layers: the LLM has 3 layers"):
+        derive_ssm(llm, SSMInitConfig(layers=[5]))
