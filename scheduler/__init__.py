@@ -1,1 +1,9 @@
-"""Learned SSM scheduler (issue 4): request features, training from logged verifications, policy."""
+"""Learned SSM scheduler (issue 4): request features, training from logged verifications, policy.
+
+Modules, one job each: ``config`` (SchedulerConfig, the ``scheduler:`` section), ``features``
+(what is known before decoding), ``labels`` (full-information labels from the engine), ``costs``
+(the measured cost model), ``subsets`` (subset bitmasks and replay arithmetic), ``model`` (the
+linear acceptance model), ``policy`` (``Scheduler.load`` / ``choose``), ``persist`` (the JSON file
+format, no pickle), ``evaluate`` (replay and real runs of every policy), ``plot`` and ``train``
+(``train_scheduler``, what `boosttune train-scheduler RUN_DIR` runs).
+"""

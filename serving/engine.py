@@ -12,6 +12,11 @@ One step:
    drafter keeps what it fed of that path; the bonus token becomes the next pending token.
 
 τ (accepted tokens per step) counts the bonus, so plain decoding has τ = 1 (Spec-Bench).
+
+Per request, ``generate`` can use a subset of the drafters and another tree (``active``, ``tree``),
+or let a ``plan`` hook choose both from the LLM's prefill hidden states (the learned scheduler);
+``record=True`` logs per-step timings and, for greedy decoding, every drafter's counterfactual
+accepted length (full-information labels: one verification scores every branch at once).
 """
 
 from __future__ import annotations
@@ -30,8 +35,30 @@ from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams, logits_to_probs, sample
 from boosttune.serving.stops import StopCriteria
 from boosttune.serving.tree import TokenTree, verification_inputs
-from boosttune.serving.verify import greedy_verify
+from boosttune.serving.verify import greedy_branch_accepts, greedy_verify
 from boosttune.serving.verify_stochastic import stochastic_verify
+
+
+@dataclass
+class StepRecord:
+    """Measurements of one speculative step (``generate(record=True)``).
+
+    Attributes:
+        nodes: merged tree nodes the LLM verified (0 for a plain decoding step).
+        accepts: per active drafter (``GenerationResult.active`` order), draft tokens its branch
+            alone would have had accepted (greedy only; empty under sampling). The step accepted
+            the maximum of them (before stop strings / max tokens cut it).
+        draft_s: per active drafter, seconds in its ``draft`` call (the first step includes its
+            catch-up over the whole prompt).
+        verify_s: seconds of the LLM's verification forward.
+        step_s: seconds of the whole step (drafting, merge, verification, cache compaction, stops).
+    """
+
+    nodes: int
+    accepts: list[int]
+    draft_s: list[float]
+    verify_s: float
+    step_s: float
 
 
 @dataclass
@@ -45,6 +72,10 @@ class GenerationResult:
         finish_reason: "stop" (EOS or stop string) or "length".
         proposer_hits: per drafter, accepted nodes it had proposed (merged trees credit every
             drafter that proposed a shared node).
+        active: drafter indices this request used (None: not recorded, e.g. incremental decoding).
+        prefill_s: seconds of the LLM's prefill forward.
+        plan_s: seconds spent in the ``plan`` hook (the scheduler's serve-time cost).
+        records: per-step measurements when ``generate(record=True)``, else empty.
     """
 
     tokens: list[int]
@@ -52,6 +83,10 @@ class GenerationResult:
     wall_time: float
     finish_reason: str
     proposer_hits: list[int] = field(default_factory=list)
+    active: list[int] | None = None
+    prefill_s: float = 0.0
+    plan_s: float = 0.0
+    records: list[StepRecord] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -63,6 +98,11 @@ class GenerationResult:
 
 
 TokenCallback = Callable[[list[int]], None]
+RequestPlan = tuple[Sequence[int] | None, TreeConfig | None]
+"""(drafter indices to use or None for all, tree for them or None for their own)."""
+PlanHook = Callable[[Tensor], RequestPlan]
+"""Called once after the prefill with the (T - 1, H) fp32 last-layer hidden states of the prompt
+without its pending token ((0, H) for a one-token prompt)."""
 
 
 class SpeculativeEngine:
@@ -78,11 +118,31 @@ class SpeculativeEngine:
         v = llm.get_output_embeddings().weight.shape[0]
         return cls(ModelRunner(llm), [SSMDrafter(ModelRunner(m), tree, i, vocab_size=v) for i, m in enumerate(ssms)])
 
-    def _draft(self, committed: Tensor, sampling: SamplingParams, gen: torch.Generator) -> tuple[TokenTree, list[Tensor]]:
-        if not self.drafters:
+    def _draft(
+        self, committed: Tensor, sampling: SamplingParams, gen: torch.Generator,
+        drafters: Sequence[Drafter] | None = None, times: list[float] | None = None,
+    ) -> tuple[TokenTree, list[Tensor]]:
+        """Merged tree of ``drafters`` (default: all); appends each draft's seconds to ``times``."""
+        drafters = self.drafters if drafters is None else drafters
+        if not drafters:
             return TokenTree.empty(), []
-        trees = [d.draft(committed, sampling, gen) for d in self.drafters]
+        trees = []
+        for d in drafters:
+            t0 = time.perf_counter()
+            trees.append(d.draft(committed, sampling, gen))
+            if times is not None:
+                times.append(time.perf_counter() - t0)
         return merge_trees(trees, dedupe=sampling.greedy)
+
+    def _resolve_active(self, active: Sequence[int] | None) -> list[int]:
+        if active is None:
+            return list(range(len(self.drafters)))
+        out = [int(i) for i in active]
+        bad = [i for i in out if not 0 <= i < len(self.drafters)]
+        if bad or len(set(out)) != len(out):
+            n = len(self.drafters)
+            raise ValueError(f"active drafters must be distinct indices in [0, {n}), got {out}")
+        return sorted(out)
 
     @torch.inference_mode()
     def generate(
@@ -91,37 +151,90 @@ class SpeculativeEngine:
         stop: StopCriteria,
         sampling: SamplingParams | None = None,
         on_tokens: TokenCallback | None = None,
+        *,
+        active: Sequence[int] | None = None,
+        tree: TreeConfig | None = None,
+        plan: PlanHook | None = None,
+        record: bool = False,
     ) -> GenerationResult:
-        """Generate after ``prompt_ids``; ``on_tokens`` receives each step's committed tokens."""
+        """Generate after ``prompt_ids``; ``on_tokens`` receives each step's committed tokens.
+
+        Args:
+            prompt_ids: the prompt's token ids (at least one).
+            stop: when to stop (max new tokens, EOS, stop strings).
+            sampling: greedy (default) or sampled decoding.
+            on_tokens: receives each step's committed tokens.
+            active: drafter indices to use for this request (None: all; empty: plain decoding).
+            tree: tree shape for the active drafters during this request (None: their own).
+            plan: hook deciding ``(active, tree)`` from the prefill hidden states; overrides both.
+            record: log a ``StepRecord`` per step in ``GenerationResult.records``.
+        """
         sampling = sampling or SamplingParams()
         if len(prompt_ids) == 0:
             raise ValueError("prompt_ids must hold at least one token")
         start = time.perf_counter()
-        gen = sampling.generator()
         self.llm.reset()
         for d in self.drafters:
             d.reset()
         committed = list(prompt_ids)
-        if len(committed) > 1:  # prefill all but the pending token
-            self.llm.forward_chain(torch.tensor(committed[:-1]))
+        prefix = torch.tensor(committed[:-1], dtype=torch.long)
+        plan_s = 0.0
+        if plan is None:
+            if len(committed) > 1:  # prefill all but the pending token
+                self.llm.forward_chain(prefix)
+        else:
+            hidden = (self.llm.chain_hidden(prefix) if len(committed) > 1
+                      else torch.zeros(0, self.llm.model.get_output_embeddings().weight.shape[1]))
+            t0 = time.perf_counter()
+            active, tree = plan(hidden)
+            plan_s = time.perf_counter() - t0
+        prefill_s = time.perf_counter() - start - plan_s
+        chosen = self._resolve_active(active)
+        saved = [
+            (d, d.tree_config) for i, d in enumerate(self.drafters) if i in chosen and hasattr(d, "tree_config")
+        ]
+        try:
+            for d, _ in saved:
+                if tree is not None:
+                    d.tree_config = tree
+            res = self._loop(committed, stop, sampling, on_tokens, chosen, record)
+        finally:
+            for d, own in saved:
+                d.tree_config = own
+        res.wall_time = time.perf_counter() - start
+        res.prefill_s, res.plan_s = prefill_s, plan_s
+        return res
+
+    def _loop(
+        self, committed: list[int], stop: StopCriteria, sampling: SamplingParams,
+        on_tokens: TokenCallback | None, chosen: list[int], record: bool,
+    ) -> GenerationResult:
+        """The speculative loop after the prefill, drafting with the drafters ``chosen``."""
+        gen = sampling.generator()
+        drafters = [self.drafters[i] for i in chosen]
+        records: list[StepRecord] = []
         generated: list[int] = []
         accept_lengths: list[int] = []
         hits = [0] * len(self.drafters)
         finish = None
         while finish is None:
+            t_step = time.perf_counter()
             prefix_len = len(committed) - 1
-            tree, maps = self._draft(torch.tensor(committed), sampling, gen)
+            draft_s: list[float] = []
+            tree, maps = self._draft(torch.tensor(committed), sampling, gen, drafters, draft_s)
             input_ids, pos, mask = verification_inputs(tree, committed[-1], prefix_len)
+            t_verify = time.perf_counter()
             logits = self.llm.forward(input_ids, pos, prefix_len, mask)  # (N + 1, V)
+            verify_s = time.perf_counter() - t_verify
             if sampling.greedy:
                 path, bonus = greedy_verify(tree, logits)
             else:
                 p = logits_to_probs(logits, sampling)  # (N + 1, V)
                 path, bonus = stochastic_verify(tree, p, gen) if tree.size else ([], int(sample(p, gen)[0]))
             self.llm.keep(prefix_len, torch.tensor([0] + [n + 1 for n in path], dtype=torch.long))
-            for j, d in enumerate(self.drafters):
+            for j, d in enumerate(drafters):
                 local = _local_path(maps[j], path)
-                hits[j] += len(local)
+                hits[chosen[j]] += len(local)
                 d.accept(local)
             new, finish = stop.cut(generated, tree.tokens[path].tolist() + [bonus])
             generated += new
@@ -129,7 +242,11 @@ class SpeculativeEngine:
             accept_lengths.append(len(new))
             if on_tokens is not None:
                 on_tokens(new)
-        return GenerationResult(generated, accept_lengths, time.perf_counter() - start, finish, hits)
+            if record:
+                accepts = greedy_branch_accepts(tree, logits, maps) if sampling.greedy else []
+                step_s = time.perf_counter() - t_step
+                records.append(StepRecord(tree.size, accepts, draft_s, verify_s, step_s))
+        return GenerationResult(generated, accept_lengths, 0.0, finish, hits, active=chosen, records=records)
 
 
 def _local_path(merged_of_local: Tensor, path: list[int]) -> list[int]:

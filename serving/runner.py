@@ -90,6 +90,24 @@ class ModelRunner:
 
         ``tree_mask`` is (T, S - prefix_len) with S = cached_len + T, the cache size after the feed.
         """
+        return self._run(input_ids, position_ids, prefix_len, tree_mask, hidden=False)[0]
+
+    def chain_hidden(self, tokens: Tensor) -> Tensor:
+        """Like :meth:`forward_chain`, but returns the (T, H) fp32 last-layer hidden states (the
+        input of the LM head) instead of the logits: request features at no extra forward."""
+        p = self.cached_len
+        t = tokens.shape[0]
+        pos = torch.arange(p, p + t).unsqueeze(0)
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        hidden = self._run(tokens.unsqueeze(0), pos, p, mask, hidden=True)[1]
+        assert hidden is not None
+        return hidden
+
+    @torch.inference_mode()
+    def _run(
+        self, input_ids: Tensor, position_ids: Tensor, prefix_len: int, tree_mask: Tensor, hidden: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """(T, V) fp32 logits and, with ``hidden``, (T, H) fp32 last-layer hidden states."""
         t = input_ids.shape[1]
         s = self.cached_len + t
         assert position_ids.shape == input_ids.shape, "position_ids must match input_ids"
@@ -102,9 +120,11 @@ class ModelRunner:
                 position_ids=position_ids.to(self.device),
                 use_cache=True,
                 tree_spec=spec,
+                output_hidden_states=hidden,
                 **kwargs,
             )
-        return out.logits[0].float()  # (T, V)
+        states = out.hidden_states[-1][0].float() if hidden else None  # (T, H)
+        return out.logits[0].float(), states  # (T, V)
 
     def forward_chain(self, tokens: Tensor) -> Tensor:
         """Feed (T,) tokens as a plain causal continuation of the cache; returns (T, V) logits."""

@@ -30,3 +30,21 @@ def greedy_verify(tree: TokenTree, p_logits: Tensor) -> tuple[list[int], int]:
     if not bool(ok[deepest]):
         return [], int(target[0])
     return path_to(tree.parents, deepest), int(target[deepest + 1])
+
+
+def greedy_branch_accepts(tree: TokenTree, p_logits: Tensor, maps: list[Tensor]) -> list[int]:
+    """Per drafter, the draft tokens greedy verification would accept from its branch alone.
+
+    ``maps[j]`` (N_j,) holds the merged index of each of drafter j's nodes (``merge_trees``). A
+    merged node's verdict depends only on its path, so drafter j's branch alone accepts the deepest
+    of its own nodes whose whole path is correct; the merged tree accepts the maximum over drafters
+    (greedy trees share common prefixes, so the correct path is unique). Full-information labels
+    for the scheduler: one verification scores every drafter's branch at once.
+    """
+    if tree.size == 0:
+        return [0] * len(maps)
+    target = p_logits.argmax(dim=-1)  # (N + 1,)
+    correct = tree.tokens == target[tree.parents + 1]  # (N,)
+    ok = ~(tree.ancestor_mask() & ~correct.unsqueeze(0)).any(dim=1)  # (N,) whole path correct
+    score = torch.where(ok, tree.depth, torch.zeros_like(tree.depth))  # (N,)
+    return [int(score[m].max()) if m.numel() else 0 for m in maps]

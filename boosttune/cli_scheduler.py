@@ -1,0 +1,111 @@
+"""`boosttune train-scheduler RUN_DIR`: (re)train the learned SSM scheduler of a training run.
+
+The base config is the ``scheduler:`` section of ``--config`` (default: RUN_DIR/config.yaml when
+it exists), else ``SchedulerConfig`` defaults; flags override single fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 1,2,4, got {text!r}"
+        ) from None
+
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def add_commands(subparsers) -> dict:
+    """Add `train-scheduler` to the `boosttune` parser; returns its handler."""
+    p = subparsers.add_parser("train-scheduler", help="train the learned SSM scheduler of a run directory")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a `boosttune train` run directory")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="YAML whose scheduler: section is the base (default RUN_DIR/config.yaml)",
+    )
+    p.add_argument("--prompts", default=None, help="prompts held out from SSM training (JSONL/text)")
+    p.add_argument(
+        "--eval-prompts", default=None, help="separate evaluation prompts (default: split --prompts)"
+    )
+    p.add_argument("--limit", type=int, default=None, help="first N prompts (0 = all)")
+    p.add_argument("--eval-limit", type=int, default=None, help="first N evaluation prompts (0 = all)")
+    p.add_argument("--train-fraction", type=float, default=None, help="share of --prompts used to fit")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument(
+        "--no-chat",
+        action="store_const",
+        const=False,
+        dest="chat",
+        default=None,
+        help="do not apply the chat template",
+    )
+    p.add_argument(
+        "--depths", type=_ints, default=None, help="tree depths the policy chooses from, e.g. 1,2,4"
+    )
+    p.add_argument(
+        "--widths", type=_ints, default=None, help="expansion widths per depth (default: the run's tree)"
+    )
+    p.add_argument("--dtype", default=None, help="LLM dtype (default: the run's)")
+    p.add_argument("--ssm-dtype", default=None, help="SSM dtype (default: --dtype)")
+    p.add_argument("--calib-prompts", type=int, default=None, help="prompts used to time the SSMs")
+    p.add_argument("--calib-tokens", type=int, default=None, help="tokens per timing run")
+    p.add_argument(
+        "--real-policies",
+        type=_words,
+        default=None,
+        help="policies run for real on the eval prompts (learned,all,best_fixed,none)",
+    )
+    return {"train-scheduler": cmd_train_scheduler}
+
+
+def base_config(run_dir: str, config: str | None):
+    """The scheduler: section of ``config`` (or RUN_DIR/config.yaml) as a SchedulerConfig."""
+    import yaml
+
+    from boosttune.config import from_dict  # typed conversion with errors that name the field
+    from boosttune.scheduler.config import SchedulerConfig
+
+    path = Path(config) if config else Path(run_dir) / "config.yaml"
+    if config and not path.is_file():
+        raise ValueError(f"--config: no such file: {path}")
+    if not path.is_file():
+        return SchedulerConfig()
+    data = yaml.safe_load(path.read_text()) or {}
+    section = data.get("scheduler") if isinstance(data, dict) else None
+    if section is not None and not isinstance(section, dict):
+        raise ValueError(f"{path}: the scheduler: section must be a mapping")
+    return from_dict(SchedulerConfig, section or {}, "scheduler")
+
+
+def cmd_train_scheduler(args: argparse.Namespace) -> int:
+    from boosttune.scheduler.train import train_scheduler
+
+    cfg = base_config(args.run_dir, args.config).replace(
+        prompts=args.prompts,
+        eval_prompts=args.eval_prompts,
+        limit=args.limit,
+        eval_limit=args.eval_limit,
+        train_fraction=args.train_fraction,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        chat=args.chat,
+        depths=args.depths,
+        widths=args.widths,
+        dtype=args.dtype,
+        ssm_dtype=args.ssm_dtype,
+        calib_prompts=args.calib_prompts,
+        calib_tokens=args.calib_tokens,
+        real_policies=args.real_policies,
+    )
+    train_scheduler(args.run_dir, cfg)
+    return 0

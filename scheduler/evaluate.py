@@ -1,0 +1,198 @@
+"""Evaluating policies: full-information replay for all of them, real engine runs for some.
+
+Replay (``replay``): a labelled request's per-step branch acceptances give the τ any (subset,
+depth) would have had (``subsets.replay_tau``); the cost model gives its seconds:
+``LLM prefill (measured) + SSM prefill + new_tokens / τ * step(subset, depth)``. Real runs run the
+engine with the policy's choice and time it; they include everything the replay models away.
+
+Policies: ``learned`` (the scheduler), ``oracle`` (per request, the best candidate in hindsight by
+replay), ``random`` (a seeded random non-empty subset at a random depth), ``none`` (plain
+decoding), ``all`` (every SSM), ``single:K`` (SSM K alone) and ``best_fixed`` (the best candidate
+on the training requests). Fixed policies use the depth that was best for their subset on the
+training requests.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from boosttune.scheduler.costs import CostModel
+from boosttune.scheduler.labels import RequestRecord
+from boosttune.scheduler.policy import Candidate, Choice, Scheduler, candidates
+from boosttune.scheduler.subsets import all_masks, replay_tau
+from boosttune.serving.engine import GenerationResult, SpeculativeEngine
+from boosttune.serving.stops import StopCriteria
+
+FIXED = ("none", "all", "best_fixed")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One request under one policy.
+
+    Attributes:
+        candidate: what the policy chose.
+        new_tokens: tokens generated.
+        tau: tokens per LLM forward (bonus included).
+        wall_s: seconds for the request, prefill included.
+        draft_s: seconds the SSMs spent drafting (prompt catch-up included).
+        plan_s: seconds the scheduler took (learned policy, real runs).
+        prefill_s: seconds of the LLM's prefill (real runs; the learned policy's also returns the
+            hidden states its features pool).
+    """
+
+    candidate: Candidate
+    new_tokens: int
+    tau: float
+    wall_s: float
+    draft_s: float
+    plan_s: float = 0.0
+    prefill_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def replay(record: RequestRecord, cand: Candidate, costs: CostModel) -> Outcome:
+    """The outcome ``cand`` would have had on a labelled request, under the cost model."""
+    tau = replay_tau(record.accepts, cand.mask, cand.depth)
+    steps = max(record.new_tokens, 1) / tau
+    k = costs.depths.index(cand.depth) if cand.mask else 0
+    prefill = costs.prefill_cost(cand.mask, record.prompt_tokens)
+    draft = steps * costs.draft_cost(cand.mask, k) + prefill
+    wall = record.prefill_s + prefill + steps * costs.step_cost(cand.mask, k)
+    return Outcome(cand, record.new_tokens, tau, wall, draft, prefill_s=record.prefill_s)
+
+
+def mean_tokens_per_s(records: Sequence[RequestRecord], cand: Candidate, costs: CostModel) -> float:
+    return float(np.mean([replay(r, cand, costs).tokens_per_s for r in records]))
+
+
+def best_depth(records: Sequence[RequestRecord], mask: int, costs: CostModel) -> Candidate:
+    """The depth with the best mean replayed tokens/s for subset ``mask`` on ``records``."""
+    if mask == 0:
+        return Candidate(0, 0)
+    return max((Candidate(mask, k) for k in costs.depths), key=lambda c: mean_tokens_per_s(records, c, costs))
+
+
+def best_fixed(records: Sequence[RequestRecord], costs: CostModel) -> Candidate:
+    """The single candidate with the best mean replayed tokens/s on ``records`` (the fallback)."""
+    cands = candidates(costs.n_ssms, costs.depths)
+    return max(cands, key=lambda c: mean_tokens_per_s(records, c, costs))
+
+
+def fixed_policies(
+    train: Sequence[RequestRecord], costs: CostModel, names: Sequence[str]
+) -> dict[str, Candidate]:
+    """none, all, single:<name> per SSM and best_fixed, each at its best depth on ``train``."""
+    full = all_masks(costs.n_ssms)[-1]
+    out = {"none": Candidate(0, 0), "all": best_depth(train, full, costs)}
+    for j, name in enumerate(names):
+        out[f"single:{name}"] = best_depth(train, 1 << j, costs)
+    out["best_fixed"] = best_fixed(train, costs)
+    return out
+
+
+def oracle(record: RequestRecord, costs: CostModel) -> Candidate:
+    return max(candidates(costs.n_ssms, costs.depths), key=lambda c: replay(record, c, costs).tokens_per_s)
+
+
+def replay_policies(
+    records: Sequence[RequestRecord],
+    prompt_ids: Sequence[Sequence[int]],
+    scheduler: Scheduler,
+    fixed: dict[str, Candidate],
+    seed: int,
+) -> dict[str, list[Outcome]]:
+    """Every policy replayed on every labelled request."""
+    costs = scheduler.costs
+    rng = random.Random(seed)
+    spec = [c for c in candidates(costs.n_ssms, costs.depths) if c.mask]
+    out: dict[str, list[Outcome]] = {"learned": [], "oracle": [], "random": []}
+    out.update({name: [] for name in fixed})
+    for rec, ids in zip(records, prompt_ids, strict=True):
+        out["learned"].append(replay(rec, scheduler.choose(ids, rec.features).candidate, costs))
+        out["oracle"].append(replay(rec, oracle(rec, costs), costs))
+        out["random"].append(replay(rec, rng.choice(spec), costs))
+        for name, cand in fixed.items():
+            out[name].append(replay(rec, cand, costs))
+    return out
+
+
+def real_outcome(res: GenerationResult, cand: Candidate) -> Outcome:
+    draft = sum(sum(r.draft_s) for r in res.records)
+    return Outcome(cand, len(res.tokens), res.tau, res.wall_time, draft, res.plan_s, res.prefill_s)
+
+
+def run_policy(
+    engine: SpeculativeEngine,
+    ids: Sequence[int],
+    stop: StopCriteria,
+    policy: str,
+    scheduler: Scheduler,
+    fixed: dict[str, Candidate],
+    chat: bool,
+) -> tuple[Outcome, Choice | None]:
+    """One real engine run of ``policy`` on one request."""
+    if policy == "learned":
+        log: list[Choice] = []
+        res = engine.generate(ids, stop, plan=scheduler.planner(ids, chat, log), record=True)
+        return real_outcome(res, log[0].candidate), log[0]
+    cand = fixed[policy]
+    res = engine.generate(
+        ids,
+        stop,
+        active=[j for j in range(scheduler.n_ssms) if cand.mask >> j & 1],
+        tree=scheduler.tree(cand.depth),
+        record=True,
+    )
+    return real_outcome(res, cand), None
+
+
+def real_policies(
+    engine: SpeculativeEngine,
+    prompt_ids: Sequence[Sequence[int]],
+    stop: StopCriteria,
+    policies: Sequence[str],
+    scheduler: Scheduler,
+    fixed: dict[str, Candidate],
+    chat: bool,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[dict[str, list[Outcome]], list[Choice]]:
+    """Real runs, interleaved per request so that machine drift hits every policy alike."""
+    out: dict[str, list[Outcome]] = {p: [] for p in policies}
+    choices: list[Choice] = []
+    for i, ids in enumerate(prompt_ids):
+        for p in policies:
+            outcome, choice = run_policy(engine, ids, stop, p, scheduler, fixed, chat)
+            out[p].append(outcome)
+            if choice is not None:
+                choices.append(choice)
+        if progress is not None:
+            progress(i)
+    return out, choices
+
+
+def summarize(outcomes: Sequence[Outcome]) -> dict:
+    """τ (total tokens / total steps), tokens/s (mean over requests), draft cost, choices made."""
+    tokens = sum(o.new_tokens for o in outcomes)
+    steps = sum(o.new_tokens / o.tau for o in outcomes if o.tau > 0)
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        counts[o.candidate.name] = counts.get(o.candidate.name, 0) + 1
+    return {
+        "tau": tokens / steps if steps else 1.0,
+        "tokens_per_s": float(np.mean([o.tokens_per_s for o in outcomes])) if outcomes else 0.0,
+        "draft_s_per_request": float(np.mean([o.draft_s for o in outcomes])) if outcomes else 0.0,
+        "draft_share": float(np.mean([o.draft_s / o.wall_s for o in outcomes if o.wall_s > 0]))
+        if outcomes
+        else 0.0,
+        "prefill_s_per_request": float(np.mean([o.prefill_s for o in outcomes])) if outcomes else 0.0,
+        "requests": len(outcomes),
+        "choices": dict(sorted(counts.items(), key=lambda kv: -kv[1])),
+    }

@@ -1,0 +1,301 @@
+"""The policy: pick the SSM subset and tree depth that maximise predicted tokens per second.
+
+Shape legend: N SSMs, M = 2**N - 1 subsets, D label depth, K candidate depths, F features.
+
+Candidates are every (subset, depth) plus the empty subset (plain decoding: τ = 1). For a request
+the acceptance model predicts each subset's survival curve u[m, d]; the predicted τ of (m, k) is
+``1 + sum_{d<=k} u[m, d]`` and its cost per token ``step(m, k) / τ + prefill(m) / new_tokens``
+(``costs.CostModel``); the policy takes the cheapest per token, unless it is predicted to beat the
+fallback's cost for this request by less than ``margin`` (relative): with few training requests a
+small predicted edge is mostly noise, so ties go to the best fixed choice. The safe fallback (the best fixed
+candidate on the training requests) answers whenever the features are malformed, far from every
+training request (``z_max`` standard deviations along a principal axis) or the predictions are
+not finite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from boosttune.scheduler.costs import CostModel
+from boosttune.scheduler.features import FeatureSpec, RequestFeatures, request_features
+from boosttune.scheduler.model import LinearModel
+from boosttune.scheduler.persist import SchedulerFileError, read_scheduler_file, write_scheduler_file
+from boosttune.scheduler.subsets import all_masks, mask_of, members, monotone
+from boosttune.serving.builders import TreeConfig
+from boosttune.serving.engine import PlanHook, RequestPlan
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A subset (bitmask over SSM indices; 0 = plain decoding) and a tree depth (0 with mask 0)."""
+
+    mask: int
+    depth: int
+
+    @property
+    def name(self) -> str:
+        if self.mask == 0:
+            return "none"
+        return "{" + ",".join(str(j) for j in members(self.mask)) + f"}}@{self.depth}"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What the scheduler decided for one request.
+
+    Attributes:
+        ssm_indices: SSMs to draft with (empty: plain decoding).
+        depth: levels of the expansion widths each SSM drafts (0 for plain decoding).
+        tree: the tree the chosen SSMs draft (None for plain decoding).
+        predicted_tau: predicted tokens committed per LLM forward (bonus included).
+        predicted_tokens_per_s: predicted decoding speed (LLM prefill excluded).
+        fallback: True when the safe fallback answered.
+        reason: why the fallback answered ("" otherwise).
+        seconds: wall time of the decision (features excluded when given).
+    """
+
+    ssm_indices: tuple[int, ...]
+    depth: int
+    tree: TreeConfig | None
+    predicted_tau: float
+    predicted_tokens_per_s: float
+    fallback: bool = False
+    reason: str = ""
+    seconds: float = 0.0
+
+    @property
+    def candidate(self) -> Candidate:
+        return Candidate(mask_of(self.ssm_indices), self.depth)
+
+    def as_plan(self) -> RequestPlan:
+        """``(active, tree)`` for ``SpeculativeEngine.generate``."""
+        return list(self.ssm_indices), self.tree
+
+
+def candidates(n_ssms: int, depths: Sequence[int]) -> list[Candidate]:
+    """Plain decoding first, then every non-empty subset at every depth."""
+    return [Candidate(0, 0)] + [Candidate(m, k) for m in all_masks(n_ssms) for k in depths]
+
+
+@dataclass(frozen=True)
+class CandidateTable:
+    """Everything about the C candidates that does not depend on the request (built once).
+
+    Attributes:
+        cands: the candidates (``candidates``), plain decoding first.
+        select: (C, M * D) 0/1; ``1 + select @ survival.ravel()`` is each candidate's τ.
+        step_s: (C,) seconds per step.
+        prefill_s_per_token: (C,) SSM catch-up seconds per prompt token.
+    """
+
+    cands: list[Candidate]
+    select: np.ndarray
+    step_s: np.ndarray
+    prefill_s_per_token: np.ndarray
+
+
+def candidate_table(costs: CostModel) -> CandidateTable:
+    depth = max(costs.depths)
+    cands = candidates(costs.n_ssms, costs.depths)
+    select = np.zeros((len(cands), len(all_masks(costs.n_ssms)) * depth))
+    for c, cand in enumerate(cands):
+        if cand.mask:
+            start = (cand.mask - 1) * depth
+            select[c, start : start + cand.depth] = 1.0
+    index = {k: i for i, k in enumerate(costs.depths)}
+    step = np.array([costs.step_cost(c.mask, index.get(c.depth, 0)) for c in cands])
+    prefill = np.array([costs.prefill_cost(c.mask, 1) for c in cands])
+    return CandidateTable(cands, select, step, prefill)
+
+
+def seconds_per_token(
+    survival: np.ndarray, table: CandidateTable, prompt_tokens: int, new_tokens: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Predicted (C,) τ and (C,) seconds per generated token of every candidate, from (M, D) survival."""
+    tau = 1.0 + table.select @ survival.ravel()
+    sec = table.step_s / tau + table.prefill_s_per_token * prompt_tokens / max(new_tokens, 1.0)
+    return tau, sec
+
+
+@dataclass
+class Scheduler:
+    """A trained scheduler: features → acceptance model → cost-aware choice.
+
+    Attributes:
+        spec: the feature layout.
+        model: predicts the flattened (M, D) survival from the features.
+        costs: the measured cost model.
+        widths: expansion widths; depth k drafts ``widths[:k]``.
+        expected_new_tokens: mean tokens generated per training request (amortises SSM prefill).
+        z_max: fallback distance from the training requests, in standard deviations.
+        fallback: the best fixed candidate on the training requests.
+        meta: where it came from (LLM, SSM directories, label depth, ...), for reports.
+        margin: relative predicted speed-up needed to leave the fallback candidate.
+    """
+
+    spec: FeatureSpec
+    model: LinearModel
+    costs: CostModel
+    widths: tuple[int, ...]
+    expected_new_tokens: float
+    z_max: float
+    fallback: Candidate
+    meta: dict = field(default_factory=dict)
+    margin: float = 0.0
+
+    def __post_init__(self) -> None:
+        n, d = self.costs.n_ssms, self.label_depth
+        if self.model.intercept.shape[0] != len(all_masks(n)) * d:
+            raise ValueError(
+                f"scheduler: the model predicts {self.model.intercept.shape[0]} outputs, "
+                f"expected {len(all_masks(n))} subsets x {d} depths"
+            )
+        if self.model.n_features != self.spec.dim:
+            raise ValueError(
+                f"scheduler: the model takes {self.model.n_features} features, the spec has {self.spec.dim}"
+            )
+        if len(self.widths) < d or self.fallback not in self.candidates:  # builds the table: not on a request
+            raise ValueError(
+                "scheduler: widths shorter than the label depth, or a fallback that is not a candidate"
+            )
+
+    @property
+    def n_ssms(self) -> int:
+        return self.costs.n_ssms
+
+    @property
+    def label_depth(self) -> int:
+        return max(self.costs.depths)
+
+    @property
+    def candidates(self) -> list[Candidate]:
+        return self.table.cands
+
+    @functools.cached_property
+    def table(self) -> CandidateTable:
+        return candidate_table(self.costs)
+
+    def tree(self, depth: int) -> TreeConfig | None:
+        return TreeConfig(widths=self.widths[:depth]) if depth else None
+
+    def survival(self, features: RequestFeatures) -> np.ndarray:
+        """(M, D) predicted survival, projected onto valid curves."""
+        raw = self.model.predict(features.vector()).reshape(len(all_masks(self.n_ssms)), self.label_depth)
+        return monotone(raw, self.n_ssms)
+
+    def decide(self, survival: np.ndarray, prompt_tokens: int) -> Choice:
+        """The cheapest candidate per token under the cost model, given (M, D) survival."""
+        cands = self.candidates
+        tau, sec = seconds_per_token(survival, self.table, prompt_tokens, self.expected_new_tokens)
+        if not np.isfinite(sec).all() or (sec <= 0).any():
+            return self.fallback_choice("non-finite or non-positive predicted costs")
+        best = int(np.argmin(sec))
+        base = cands.index(self.fallback)
+        if sec[best] > (1.0 - self.margin) * sec[base]:
+            best = base
+        return self._choice(cands[best], float(tau[best]), float(sec[best]))
+
+    def choose(self, prompt_ids: Sequence[int], features: RequestFeatures) -> Choice:
+        """The choice for one request (timed in ``Choice.seconds``)."""
+        start = time.perf_counter()
+        reason = self._out_of_range(prompt_ids, features)
+        if reason:
+            choice = self.fallback_choice(reason)
+        else:
+            choice = self.decide(self.survival(features), len(prompt_ids))
+        return dataclasses.replace(choice, seconds=time.perf_counter() - start)
+
+    def planner(self, prompt_ids: Sequence[int], chat: bool, log: list[Choice] | None = None) -> PlanHook:
+        """An engine ``plan`` hook: features from the prefill, then ``choose`` (appended to ``log``)."""
+
+        def plan(hidden: torch.Tensor) -> RequestPlan:
+            start = time.perf_counter()
+            try:
+                feats = request_features(prompt_ids, hidden, chat, self.spec)
+                choice = self.choose(prompt_ids, feats)
+            except ValueError as e:  # e.g. hidden states of another width: never fail the request
+                choice = self.fallback_choice(f"features: {e}")
+            choice = dataclasses.replace(choice, seconds=time.perf_counter() - start)
+            if log is not None:
+                log.append(choice)
+            return choice.as_plan()
+
+        return plan
+
+    def fallback_choice(self, reason: str) -> Choice:
+        return dataclasses.replace(
+            self._choice(self.fallback, float("nan"), float("nan")), fallback=True, reason=reason
+        )
+
+    def _choice(self, cand: Candidate, tau: float, sec: float) -> Choice:
+        return Choice(
+            members(cand.mask), cand.depth, self.tree(cand.depth), tau, 1.0 / sec if sec > 0 else float("nan")
+        )
+
+    def _out_of_range(self, prompt_ids: Sequence[int], features: RequestFeatures) -> str:
+        x = features.vector()
+        if x.shape != (self.spec.dim,):
+            return f"feature vector has shape {x.shape}, expected ({self.spec.dim},)"
+        if not np.isfinite(x).all():
+            return "non-finite features"
+        if len(prompt_ids) < 2:
+            return "no prefill (one-token prompt)"
+        dist = self.model.distance(x)
+        if dist > self.z_max:
+            return (
+                f"features {dist:.1f} standard deviations from the training requests (> z_max {self.z_max})"
+            )
+        return ""
+
+    # -- persistence ---------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "type": "scheduler",
+            "spec": self.spec.to_json(),
+            "model": self.model.to_json(),
+            "costs": self.costs.to_json(),
+            "widths": list(self.widths),
+            "expected_new_tokens": self.expected_new_tokens,
+            "z_max": self.z_max,
+            "fallback": {"mask": self.fallback.mask, "depth": self.fallback.depth},
+            "meta": self.meta,
+            "margin": self.margin,
+        }
+
+    @classmethod
+    def from_json(cls, body: dict) -> Scheduler:
+        return cls(
+            spec=FeatureSpec.from_json(body["spec"]),
+            model=LinearModel.from_json(body["model"]),
+            costs=CostModel.from_json(body["costs"]),
+            widths=tuple(int(w) for w in body["widths"]),
+            expected_new_tokens=float(body["expected_new_tokens"]),
+            z_max=float(body["z_max"]),
+            fallback=Candidate(int(body["fallback"]["mask"]), int(body["fallback"]["depth"])),
+            meta=dict(body.get("meta", {})),
+            margin=float(body["margin"]),
+        )
+
+    def save(self, path: str | Path) -> None:
+        write_scheduler_file(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Scheduler:
+        """Load and validate a scheduler file; refuses tampered, wrong-version or unknown-type files."""
+        body = read_scheduler_file(path)
+        try:
+            return cls.from_json(body)
+        except (KeyError, TypeError, ValueError) as e:
+            raise SchedulerFileError(
+                f"{path}: malformed scheduler ({type(e).__name__}: {e}); "
+                "retrain it with `boosttune train-scheduler RUN_DIR`"
+            ) from None

@@ -1,0 +1,78 @@
+"""SSM subsets as bitmasks, and the full-information arithmetic on per-step branch acceptances.
+
+Shape legend: S steps of one request, N SSMs, M = 2**N - 1 non-empty subsets, D label depth.
+
+A subset is a bitmask over SSM indices (bit j = SSM j), M of them, mask m at row m - 1. With greedy
+merged trees the accepted length of a step is the maximum over the SSMs' branches, and a tree cut
+to depth k accepts ``min(a, k)`` of a branch that accepted ``a`` at the label depth (the branch's
+first k levels are the same nodes). So for any subset and budget, from one labelled run::
+
+    accepted draft tokens per step ≈ mean over steps of max_{j in mask} min(a_j, k)
+                                   = sum_{d <= k} P(max_{j in mask} a_j >= d)
+
+The approximation is that a policy that accepts less would visit other positions of the same text.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def all_masks(n: int) -> list[int]:
+    """The M non-empty subsets of n SSMs, as bitmasks 1 .. 2**n - 1."""
+    return list(range(1, 1 << n))
+
+
+def members(mask: int) -> tuple[int, ...]:
+    """SSM indices in ``mask``, increasing."""
+    return tuple(j for j in range(mask.bit_length()) if mask >> j & 1)
+
+
+def mask_of(indices: tuple[int, ...] | list[int]) -> int:
+    out = 0
+    for j in indices:
+        out |= 1 << int(j)
+    return out
+
+
+def union_accepts(accepts: np.ndarray, mask: int) -> np.ndarray:
+    """(S, N) per-step branch acceptances → (S,) what the merged tree of ``mask`` accepts."""
+    cols = list(members(mask))
+    if not cols or accepts.shape[0] == 0:
+        return np.zeros(accepts.shape[0], dtype=np.int64)
+    return accepts[:, cols].max(axis=1)
+
+
+def union_survival(accepts: np.ndarray, n: int, depth: int) -> np.ndarray:
+    """(S, N) acceptances → (M, D): share of steps whose subset accepted at least d = 1..D tokens."""
+    out = np.zeros((len(all_masks(n)), depth))
+    if accepts.shape[0] == 0:
+        return out
+    levels = np.arange(1, depth + 1)
+    for row, mask in enumerate(all_masks(n)):
+        out[row] = (union_accepts(accepts, mask)[:, None] >= levels[None, :]).mean(axis=0)
+    return out
+
+
+def gain_from_survival(survival: np.ndarray, depth: int) -> np.ndarray:
+    """(M, D) survival → (M,) expected accepted draft tokens per step with trees cut to ``depth``."""
+    return survival[:, :depth].sum(axis=1)
+
+
+def replay_tau(accepts: np.ndarray, mask: int, depth: int) -> float:
+    """τ (bonus included) the subset ``mask`` with depth ``depth`` would have had on these steps."""
+    if mask == 0 or depth == 0 or accepts.shape[0] == 0:
+        return 1.0
+    return 1.0 + float(np.minimum(union_accepts(accepts, mask), depth).mean())
+
+
+def monotone(survival: np.ndarray, n: int) -> np.ndarray:
+    """Project predicted (M, D) survival onto what survival can be: in [0, 1], non-increasing in
+    d, and never lower for a subset than for any subset of it (adding an SSM never hurts)."""
+    u = np.minimum.accumulate(np.clip(survival, 0.0, 1.0), axis=1)
+    for mask in sorted(all_masks(n), key=lambda m: bin(m).count("1")):
+        for j in members(mask):
+            sub = mask & ~(1 << j)
+            if sub:
+                u[mask - 1] = np.maximum(u[mask - 1], u[sub - 1])
+    return u

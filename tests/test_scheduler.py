@@ -1,0 +1,223 @@
+"""The learned scheduler without models: subsets arithmetic, fit/predict decisions, costs, files."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+from boosttune.scheduler.config import SchedulerConfig
+from boosttune.scheduler.costs import CostModel, tree_nodes
+from boosttune.scheduler.features import FeatureSpec, RequestFeatures, hashed_ngrams
+from boosttune.scheduler.labels import RequestRecord
+from boosttune.scheduler.model import fit_linear, make_pipeline
+from boosttune.scheduler.persist import SchedulerFileError, digest
+from boosttune.scheduler.policy import Candidate, Scheduler
+from boosttune.scheduler.subsets import monotone, replay_tau, union_survival
+from boosttune.scheduler.train import fit_scheduler
+
+SPEC = FeatureSpec(hidden_size=2, ngram_buckets=1)
+IDS = [5, 6, 7, 8]  # any prompt of >= 2 tokens (the scheduler falls back without a prefill)
+
+
+def costs(draft0=(0.01, 0.02), draft1=(0.01, 0.02)) -> CostModel:
+    """Two SSMs, depths 1 and 2 of a chain; verification nearly flat; no overhead, no prefill."""
+    return CostModel(
+        depths=(1, 2),
+        nodes_per_ssm=(1, 2),
+        draft_s=(tuple(draft0), tuple(draft1)),
+        ssm_prefill_s_per_token=(0.0, 0.0),
+        verify_nodes=(0, 1, 2, 4),
+        verify_s=(0.020, 0.021, 0.022, 0.024),
+        overhead_s=(0.0, 0.0),
+    )
+
+
+def feats(h0: float, h1: float) -> RequestFeatures:
+    return RequestFeatures(
+        prompt_tokens=len(IDS),
+        chat=True,
+        hidden_mean=np.array([h0, h1], np.float32),
+        ngrams=np.ones(1, np.float32),
+    )
+
+
+# Three kinds of request: SSM 0 accepts 2 tokens on every step of kind A, SSM 1 on kind B, nobody on C.
+KINDS = {"A": ((1.0, 0.0), [2, 0]), "B": ((-1.0, 0.0), [0, 2]), "C": ((0.0, 1.0), [0, 0])}
+
+
+def synthetic_records() -> list[RequestRecord]:
+    out = []
+    for i in range(4):
+        for name, (h, acc) in KINDS.items():
+            accepts = np.array([acc] * 10, dtype=np.int64)
+            out.append(
+                RequestRecord(f"{name}{i}", feats(*h), accepts, new_tokens=30, wall_s=1.0, prefill_s=0.01)
+            )
+    return out
+
+
+@pytest.fixture(scope="module")
+def scheduler() -> Scheduler:
+    cfg = SchedulerConfig(prompts="unused", depths=(1, 2), pca_components=4, ridge_alphas=(1e-3,))
+    return fit_scheduler(synthetic_records(), costs(), SPEC, (1, 1), cfg)
+
+
+# -- subsets arithmetic ---------------------------------------------------------------------------
+def test_union_survival_and_replay_tau():
+    accepts = np.array([[0, 2], [1, 0], [3, 1]])  # 3 steps, 2 SSMs
+    u = union_survival(accepts, 2, 3)  # rows: {0}, {1}, {0,1}
+    np.testing.assert_allclose(u, [[2 / 3, 1 / 3, 1 / 3], [2 / 3, 1 / 3, 0], [1, 2 / 3, 1 / 3]])
+    assert replay_tau(accepts, 0b11, 2) == pytest.approx(1 + (2 + 1 + 2) / 3)
+    assert replay_tau(accepts, 0b01, 3) == pytest.approx(1 + 4 / 3)
+    assert replay_tau(accepts, 0, 3) == 1.0
+    assert u[2, :2].sum() == pytest.approx(replay_tau(accepts, 0b11, 2) - 1)
+
+
+def test_monotone_projection():
+    raw = np.array([[0.9, 1.2, -0.1], [0.2, 0.5, 0.1], [0.5, 0.1, 0.0]])  # {0}, {1}, {0,1}
+    u = monotone(raw, 2)
+    np.testing.assert_allclose(u, [[0.9, 0.9, 0.0], [0.2, 0.2, 0.1], [0.9, 0.9, 0.1]])
+
+
+def test_tree_nodes_of_expansion_widths():
+    assert [tree_nodes((1, 1, 3, 1), k) for k in (1, 2, 3, 4)] == [1, 2, 5, 8]
+
+
+def test_hashed_ngrams_are_stable_unit_vectors():
+    a = hashed_ngrams([1, 2, 3, 2, 3], 16)
+    assert a.shape == (16,) and np.linalg.norm(a) == pytest.approx(1.0)
+    np.testing.assert_array_equal(a, hashed_ngrams([1, 2, 3, 2, 3], 16))
+    assert not np.array_equal(a, hashed_ngrams([3, 2, 1, 2, 3], 16))
+
+
+# -- fit / predict / decide ----------------------------------------------------------------------
+def test_fitted_scheduler_makes_the_expected_decisions(scheduler):
+    expected = {"A": ((0,), 2), "B": ((1,), 2), "C": ((), 0)}
+    for name, ((h0, h1), _) in KINDS.items():
+        choice = scheduler.choose(IDS, feats(h0, h1))
+        assert (choice.ssm_indices, choice.depth) == expected[name], name
+        assert not choice.fallback and choice.seconds > 0
+    a = scheduler.choose(IDS, feats(1.0, 0.0))
+    assert a.predicted_tau == pytest.approx(3.0, abs=0.01)
+    assert a.predicted_tokens_per_s == pytest.approx(
+        3.0 / 0.042, rel=0.01
+    )  # τ / (draft 0.02 + verify(2) 0.022)
+    assert a.tree is not None and a.tree.widths == (1, 1)
+    assert scheduler.fallback == Candidate(0, 0)  # on these requests no fixed choice beats plain decoding
+
+
+def test_linear_model_equals_the_sklearn_pipeline():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(20, 7)), rng.normal(size=(20, 5))
+    model = fit_linear(x, y, components=4, alphas=(0.5, 5.0))
+    pipe = make_pipeline(model.components.shape[0], model.alpha).fit(x, y)
+    np.testing.assert_allclose(model.predict(x), pipe.predict(x), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(model.predict(x[3]), pipe.predict(x[3:4])[0], rtol=1e-9, atol=1e-12)
+
+
+def test_a_costly_ssm_with_equal_predicted_gain_is_dropped(scheduler):
+    survival = np.array([[0.8, 0.6]] * 3)  # {0}, {1}, {0,1} predicted alike
+    cheap0 = Scheduler(
+        SPEC,
+        scheduler.model,
+        costs(draft0=(0.005, 0.01), draft1=(0.03, 0.06)),
+        (1, 1),
+        30,
+        6.0,
+        Candidate(0, 0),
+    )
+    choice = cheap0.decide(survival, prompt_tokens=4)
+    assert (choice.ssm_indices, choice.depth) == ((0,), 2)  # 0.030 s / 2.4 tokens beats plain 0.020 s / token
+    cheap1 = Scheduler(
+        SPEC,
+        scheduler.model,
+        costs(draft0=(0.03, 0.06), draft1=(0.005, 0.01)),
+        (1, 1),
+        30,
+        6.0,
+        Candidate(0, 0),
+    )
+    assert cheap1.decide(survival, prompt_tokens=4).ssm_indices == (1,)
+    pricey = Scheduler(
+        SPEC, scheduler.model, costs(draft0=(0.05, 0.1), draft1=(0.05, 0.1)), (1, 1), 30, 6.0, Candidate(0, 0)
+    )
+    assert pricey.decide(survival, prompt_tokens=4).ssm_indices == ()  # drafting costs more than it saves
+    cautious = Scheduler(SPEC, scheduler.model, cheap0.costs, (1, 1), 30, 6.0, Candidate(0, 0), margin=0.5)
+    assert (
+        cautious.decide(survival, prompt_tokens=4).ssm_indices == ()
+    )  # 0.0125 s/token is not 50 % below 0.020
+
+
+def test_out_of_range_requests_get_the_fallback(scheduler):
+    far = scheduler.choose(IDS, feats(100.0, 0.0))
+    assert far.fallback and "standard deviations" in far.reason
+    assert (far.ssm_indices, far.depth) == ((), 0)
+    assert scheduler.choose(IDS, feats(float("nan"), 0.0)).reason == "non-finite features"
+    assert "one-token" in scheduler.choose([5], feats(1.0, 0.0)).reason
+
+
+# -- persistence ---------------------------------------------------------------------------------
+def test_scheduler_file_round_trip(scheduler, tmp_path):
+    path = tmp_path / "scheduler.json"
+    scheduler.save(path)
+    loaded = Scheduler.load(path)
+    for (h0, h1), _ in KINDS.values():
+        a, b = scheduler.choose(IDS, feats(h0, h1)), loaded.choose(IDS, feats(h0, h1))
+        assert (a.ssm_indices, a.depth, a.predicted_tau) == (b.ssm_indices, b.depth, b.predicted_tau)
+
+
+def _rewrite(path, edit) -> None:
+    env = json.loads(path.read_text())
+    edit(env)
+    env["sha256"] = digest(env["body"])
+    path.write_text(json.dumps(env))
+
+
+def test_corrupted_scheduler_file_is_refused(scheduler, tmp_path):
+    path = tmp_path / "scheduler.json"
+    scheduler.save(path)
+    text = path.read_text()
+    path.write_text(text.replace('"z_max": 6.0', '"z_max": 60.0'))
+    with pytest.raises(SchedulerFileError, match="sha256 self-check"):
+        Scheduler.load(path)
+    path.write_text(text[: len(text) // 2])
+    with pytest.raises(SchedulerFileError, match="not a JSON scheduler file"):
+        Scheduler.load(path)
+
+
+def test_wrong_version_unknown_type_and_pickle_are_refused(scheduler, tmp_path):
+    path = tmp_path / "scheduler.json"
+    scheduler.save(path)
+    _rewrite(path, lambda env: env.update(version=2))
+    with pytest.raises(SchedulerFileError, match="version 2, this boosttune reads version 1"):
+        Scheduler.load(path)
+    scheduler.save(path)
+    _rewrite(path, lambda env: env["body"]["model"].update(type="sklearn_pipeline"))
+    with pytest.raises(SchedulerFileError, match="unknown type 'sklearn_pipeline' at body.model"):
+        Scheduler.load(path)
+    scheduler.save(path)
+    _rewrite(path, lambda env: env["body"]["costs"].update(draft_s=[[0.1]]))
+    with pytest.raises(SchedulerFileError, match="malformed scheduler"):
+        Scheduler.load(path)
+    path.write_bytes(pickle.dumps({"type": "scheduler"}))
+    with pytest.raises(SchedulerFileError, match="pickle/skops files are never loaded"):
+        Scheduler.load(path)
+    with pytest.raises(SchedulerFileError, match="no scheduler file"):
+        Scheduler.load(tmp_path / "missing.json")
+
+
+# -- config --------------------------------------------------------------------------------------
+def test_config_from_dict_names_unknown_fields_and_bad_values():
+    cfg = SchedulerConfig.from_dict({"prompts": "p.jsonl", "depths": [1, 2], "limit": 10})
+    assert cfg.depths == (1, 2) and cfg.label_depth == 2 and cfg.limit == 10
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['budget'\]"):
+        SchedulerConfig.from_dict({"budget": 3})
+    with pytest.raises(ValueError, match="scheduler.train_fraction"):
+        SchedulerConfig(train_fraction=1.5)
+    with pytest.raises(ValueError, match="scheduler.widths"):
+        SchedulerConfig(depths=(1, 4), widths=(1, 1))
+    with pytest.raises(ValueError, match="scheduler.real_policies"):
+        SchedulerConfig(real_policies=("oracle",))

@@ -1,0 +1,101 @@
+"""The engine's hooks for the scheduler: drafter subsets, tree overrides, prefill states, labels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import perturbed, tiny_llama
+
+from boosttune.serving.builders import TreeConfig, merge_trees
+from boosttune.serving.decode import incremental_generate
+from boosttune.serving.engine import SpeculativeEngine
+from boosttune.serving.stops import StopCriteria
+from boosttune.serving.tree import TokenTree
+from boosttune.serving.verify import greedy_branch_accepts, greedy_verify
+
+PROMPT = [3, 4, 5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def models():
+    llm = tiny_llama(11)
+    return llm, [perturbed(llm, 1, 0.1), perturbed(llm, 2, 0.4), llm]
+
+
+def make(models, widths=(1, 2, 1)) -> SpeculativeEngine:
+    llm, ssms = models
+    return SpeculativeEngine.from_models(llm, ssms, TreeConfig(widths=widths))
+
+
+@pytest.mark.parametrize("active", [[], [1], [0, 2], None])
+def test_drafter_subsets_and_tree_overrides_stay_lossless(models, active):
+    stop = StopCriteria(max_new_tokens=24)
+    ref = incremental_generate(models[0], PROMPT, stop).tokens
+    eng = make(models)
+    for tree in (None, TreeConfig(widths=(1,))):
+        out = eng.generate(PROMPT, stop, active=active, tree=tree)
+        assert out.tokens == ref
+        assert out.active == (active if active is not None else [0, 1, 2])
+        unused = set(range(3)) - set(out.active)
+        assert all(out.proposer_hits[j] == 0 for j in unused)
+        if tree is not None and out.active:
+            assert max(out.accept_lengths) <= 2  # depth-1 trees: one draft token + the bonus
+    assert all(d.tree_config.widths == (1, 2, 1) for d in eng.drafters), "overrides last one request"
+    if active == []:
+        assert out.accept_lengths == [1] * 24
+
+
+def test_plan_hook_sees_prefill_states_and_chooses(models):
+    seen = []
+
+    def plan(hidden):
+        seen.append(hidden.shape)
+        return [2], TreeConfig(widths=(1, 1, 1, 1))
+
+    stop = StopCriteria(max_new_tokens=20)
+    out = make(models).generate(PROMPT, stop, plan=plan)
+    assert seen == [(len(PROMPT) - 1, 32)]
+    assert out.active == [2] and out.accept_lengths == [5] * 4  # the LLM as its own SSM accepts everything
+    assert out.plan_s > 0 and out.prefill_s > 0
+    one = make(models).generate([9], stop, plan=lambda h: (seen.append(h.shape), ([], None))[1])
+    assert seen[-1] == (0, 32) and one.tokens == incremental_generate(models[0], [9], stop).tokens
+
+
+def test_recorded_branch_accepts_explain_every_step(models):
+    stop = StopCriteria(max_new_tokens=30)
+    out = make(models).generate(PROMPT, stop, active=[0, 1], record=True)
+    assert len(out.records) == out.steps
+    for rec, length in zip(
+        out.records[:-1], out.accept_lengths[:-1], strict=True
+    ):  # the last step may be cut
+        assert len(rec.accepts) == 2 and len(rec.draft_s) == 2
+        assert max(rec.accepts) == length - 1
+        assert rec.nodes > 0 and rec.verify_s > 0 and rec.step_s >= rec.verify_s + sum(rec.draft_s)
+
+
+def test_branch_accepts_match_verifying_each_branch_alone():
+    # two 2-node chains sharing their first token: [7, 8] and [7, 9]; the LLM wants 7 then 9
+    a = TokenTree(
+        torch.tensor([7, 8]),
+        torch.tensor([-1, 0]),
+        torch.tensor([1, 2]),
+        torch.zeros(2, dtype=torch.long),
+        torch.ones(2),
+        torch.full((2,), -1),
+    )
+    b = TokenTree(
+        torch.tensor([7, 9]),
+        torch.tensor([-1, 0]),
+        torch.tensor([1, 2]),
+        torch.ones(2, dtype=torch.long),
+        torch.ones(2),
+        torch.full((2,), -1),
+    )
+    merged, maps = merge_trees([a, b], dedupe=True)
+    assert merged.size == 3
+    logits = torch.zeros(4, 16)
+    logits[0, 7] = logits[1, 9] = 1.0  # root → 7; after 7 → 9
+    assert greedy_branch_accepts(merged, logits, maps) == [1, 2]
+    for tree, m in ((a, maps[0]), (b, maps[1])):
+        alone = torch.cat([logits[:1], logits[m + 1]])
+        assert len(greedy_verify(tree, alone)[0]) == greedy_branch_accepts(merged, logits, [m])[0]
