@@ -1,0 +1,213 @@
+"""`boosttune export RUN_DIR --out BUNDLE`: a training run's servable parts as one bundle.
+
+The bundle format (manifest fields, layout, what loading checks) is documented in
+``serving/bundle.py``. Export copies the SSMs' safetensors weights, configs and statistics, writes
+the LLM's tokenizer once, copies the run's scheduler directory file for file, pins the LLM by a
+content hash and lists a sha256 for every file. It writes into a temporary sibling directory and
+renames it into place at the end, so an interrupted export never leaves a half bundle at ``--out``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from boosttune import rundir
+from boosttune.serving.builders import TreeConfig
+from boosttune.serving.bundle import (
+    BUNDLE_FORMAT,
+    BUNDLE_KIND,
+    MANIFEST,
+    SCHEDULER_DIR,
+    TOKENIZER_DIR,
+    BundleError,
+    llm_content_hash,
+    sha256_file,
+)
+
+# Per-SSM files carried besides the weights; anything else in an SSM directory (tokenizer files,
+# the completion marker) is either carried once for all or irrelevant to serving.
+_SSM_CONFIG_FILES = ("config.json", "generation_config.json")
+_STATS = "stats.json"
+_PROFILE = "acceptance_profile.json"
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What export wrote: the bundle directory, its manifest, and its size in bytes."""
+
+    bundle: Path
+    manifest: dict
+    total_bytes: int
+
+
+def _versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    import boosttune
+
+    return {
+        "boosttune": boosttune.__version__, "torch": torch.__version__,
+        "transformers": transformers.__version__, "python": platform.python_version(),
+    }
+
+
+def _llm_dir(report: dict, run_dir: Path) -> Path:
+    """The LLM the run trained against: its recorded path when it exists here, else its ref resolved."""
+    from boosttune.models import resolve_model_path
+
+    llm = report.get("llm") or {}
+    ref, path = llm.get("ref"), llm.get("path")
+    if not isinstance(ref, str) or not ref:
+        raise ValueError(f"{run_dir / rundir.REPORT}: field 'llm.ref' is missing; is the run complete?")
+    if isinstance(path, str) and Path(path).is_dir():
+        return Path(path)
+    return Path(resolve_model_path(ref))
+
+
+def _tree(report: dict, run_dir: Path) -> TreeConfig:
+    raw = report.get("tree")
+    if raw is None:
+        return TreeConfig()
+    try:
+        return TreeConfig(**raw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{run_dir / rundir.REPORT}: field 'tree' is not a valid tree configuration: {e}") from None
+
+
+def _copy_ssm(src: Path, dest: Path, tokenizer_vocab: dict[str, int]) -> tuple[list[str], str | None]:
+    """Copy one SSM's config, safetensors weights and stats; returns (weight names, profile name)."""
+    from transformers import AutoTokenizer
+
+    weights = sorted(p.name for p in src.iterdir() if p.is_file() and p.name.endswith((".safetensors", ".safetensors.index.json")))
+    if not any(w.endswith(".safetensors") for w in weights):
+        raise ValueError(
+            f"SSM {src} has no *.safetensors weights (bundles never carry pickled weights); "
+            "re-save it with save_pretrained(..., safe_serialization=True)"
+        )
+    if not (src / "config.json").is_file():
+        raise ValueError(f"SSM {src} has no config.json; is it a transformers save_pretrained directory?")
+    if not (src / _STATS).is_file():
+        raise ValueError(f"SSM {src} has no {_STATS}; the run's stage did not finish writing it")
+    if any((src / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+        vocab = AutoTokenizer.from_pretrained(src).get_vocab()
+        if vocab != tokenizer_vocab:
+            raise ValueError(f"SSM {src} has a different tokenizer from the LLM's; SSMs must use the LLM's tokenizer")
+    dest.mkdir(parents=True)
+    for name in [*(n for n in _SSM_CONFIG_FILES if (src / n).is_file()), *weights, _STATS]:
+        shutil.copyfile(src / name, dest / name)
+    try:
+        stats = json.loads((src / _STATS).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{src / _STATS}: not valid JSON ({e})") from None
+    profile = stats.get("acceptance_profile") if isinstance(stats, dict) else None
+    if profile is None:
+        return weights, None
+    (dest / _PROFILE).write_text(json.dumps(profile, indent=2) + "\n")
+    return weights, _PROFILE
+
+
+def _copy_scheduler(src: Path, dest: Path) -> list[str]:
+    """Copy every regular file under the run's scheduler directory (hidden temporaries skipped)."""
+    names = []
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src)
+        if not path.is_file() or any(part.startswith(".") for part in rel.parts):
+            continue
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+        names.append(rel.as_posix())
+    return names
+
+
+def _file_table(root: Path) -> dict[str, dict]:
+    return {
+        p.relative_to(root).as_posix(): {"sha256": sha256_file(p), "size": p.stat().st_size}
+        for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def export_bundle(run_dir: str | Path, out: str | Path, force: bool = False) -> ExportResult:
+    """Write the bundle of a training run.
+
+    Args:
+        run_dir: a `boosttune train` run directory (report.json and at least one complete SSM).
+        out: the bundle directory to create; must not exist (or be empty) unless ``force``.
+        force: replace an existing ``out``.
+    """
+    from transformers import AutoTokenizer
+
+    run = Path(run_dir)
+    out = Path(out)
+    report = rundir.read_report(run)
+    stages = {str(run / s["ssm_dir"]): s for s in report.get("stages", []) if isinstance(s, dict) and "ssm_dir" in s}
+    ssm_dirs = rundir.ssm_dirs(run)
+    if not ssm_dirs:
+        raise ValueError(f"{run}: no complete SSM under ssms/ (no complete.json); finish `boosttune train` first")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ValueError(f"--out {out} exists and is not empty; choose another directory or pass --force")
+    if out.resolve() == run.resolve() or run.resolve() in out.resolve().parents:
+        raise ValueError(f"--out {out} is inside the run directory; write the bundle elsewhere")
+    tree = _tree(report, run)
+    llm_dir = _llm_dir(report, run)
+    try:
+        llm_hash, llm_file_hashes = llm_content_hash(llm_dir)
+    except BundleError as e:
+        raise ValueError(str(e)) from None
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.export-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(llm_dir)
+        tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
+        vocab = tokenizer.get_vocab()
+        ssms = []
+        for src in ssm_dirs:
+            stage = stages.get(str(src), {})
+            name = src.name
+            rel = f"ssms/{name}"
+            weights, profile = _copy_ssm(src, tmp / rel, vocab)
+            ssms.append({
+                "name": name, "stage": int(stage.get("stage", len(ssms) + 1)), "dir": rel,
+                "config": f"{rel}/config.json", "weights": [f"{rel}/{w}" for w in weights],
+                "stats": f"{rel}/{_STATS}", "acceptance_profile": f"{rel}/{profile}" if profile else None,
+                "report": stage,
+            })
+        scheduler = None
+        if (run / SCHEDULER_DIR).is_dir():
+            files = _copy_scheduler(run / SCHEDULER_DIR, tmp / SCHEDULER_DIR)
+            scheduler = {"dir": SCHEDULER_DIR, "files": [f"{SCHEDULER_DIR}/{f}" for f in files]}
+        llm = report["llm"]
+        manifest = {
+            "format": BUNDLE_FORMAT,
+            "kind": BUNDLE_KIND,
+            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "source_run": str(run.resolve()),
+            "versions": _versions(),
+            "llm": {"ref": llm["ref"], "path": str(llm_dir.resolve()), "dtype": str(llm.get("dtype", "fp32")),
+                    "sha256": llm_hash, "files": llm_file_hashes},
+            "tokenizer": TOKENIZER_DIR,
+            "ssms": ssms,
+            "scheduler": scheduler,
+            "tree": {"kind": tree.kind, "widths": list(tree.widths), "topk": tree.topk, "depth": tree.depth,
+                     "budget": tree.budget, "min_prob": tree.min_prob},
+            "files": _file_table(tmp),
+        }
+        rundir.atomic_write_json(tmp / MANIFEST, manifest)  # last: a bundle without it is refused
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    return ExportResult(bundle=out, manifest=manifest, total_bytes=total)

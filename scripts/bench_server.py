@@ -1,0 +1,195 @@
+"""Load test of `boosttune serve`: requests/s, tokens/s, latency percentiles and τ at several concurrencies.
+
+Starts ``boosttune serve BUNDLE`` in a subprocess on a free local port (or uses ``--url``), then for
+each concurrency level C sends ``--requests`` requests from C client threads with the official
+openai client and reports requests/s, completion tokens/s, p50/p95 latency, mean queue wait and the
+τ (tokens per LLM forward) that the server reported in each response's ``boosttune`` statistics.
+
+    .venv/bin/python scripts/bench_server.py BUNDLE --concurrency 1,4,16 --requests 32 --max-tokens 64 \\
+        --out runs/bench-server.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+from openai import OpenAI
+
+ROOT = Path(__file__).resolve().parents[1]
+MT_BENCH = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
+FALLBACK_PROMPTS = ["Write a haiku about the sea.", "Explain why the sky is blue.", "Give three tips for sleeping well.",
+                    "What is a prime number?", "Summarise the plot of Hamlet in two sentences."]
+
+
+@dataclass
+class LevelResult:
+    """One concurrency level's figures."""
+
+    concurrency: int
+    requests: int
+    wall_s: float
+    requests_per_s: float
+    completion_tokens_per_s: float
+    latency_p50_s: float
+    latency_p95_s: float
+    latency_mean_s: float
+    queue_mean_s: float
+    tau: float
+    completion_tokens: int
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _prompts(path: str | None) -> list[str]:
+    sys.path.insert(0, str(ROOT))
+    from boosttune.prompts import read_prompts
+
+    source = Path(path) if path else MT_BENCH
+    if source.is_file():
+        return [p.text for p in read_prompts(source)]
+    if path:
+        raise SystemExit(f"--prompts: no such file: {path}")
+    return FALLBACK_PROMPTS
+
+
+def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "boosttune.cli", "serve", args.bundle, "--port", str(port), "--dtype", args.dtype,
+           "--log-level", "warning", "--max-queue", str(max(64, max(args.concurrency) * 2))]
+    if args.llm:
+        cmd += ["--llm", args.llm]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + args.start_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with code {proc.returncode} before answering")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.terminate()
+    raise SystemExit(f"the server did not answer /health within {args.start_timeout} s")
+
+
+def _one(client: OpenAI, model: str, prompt: str, args: argparse.Namespace) -> dict:
+    start = time.perf_counter()
+    if args.chat:
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=args.max_tokens, temperature=args.temperature)
+    else:
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens,
+                                      temperature=args.temperature)
+    stats = r.model_extra.get("boosttune", {})
+    return {"latency": time.perf_counter() - start, "tokens": r.usage.completion_tokens,
+            "steps": stats.get("steps", 0), "queue": stats.get("queue_seconds", 0.0)}
+
+
+def run_level(client: OpenAI, model: str, prompts: list[str], concurrency: int, args: argparse.Namespace) -> LevelResult:
+    """Send ``args.requests`` requests from ``concurrency`` threads; prompts are taken in turn."""
+    chosen = [prompts[i % len(prompts)] for i in range(args.requests)]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        rows = list(pool.map(lambda p: _one(client, model, p, args), chosen))
+    wall = time.perf_counter() - start
+    latencies = [r["latency"] for r in rows]
+    tokens = sum(r["tokens"] for r in rows)
+    steps = sum(r["steps"] for r in rows)
+    return LevelResult(
+        concurrency=concurrency, requests=len(rows), wall_s=wall, requests_per_s=len(rows) / wall,
+        completion_tokens_per_s=tokens / wall, latency_p50_s=_percentile(latencies, 0.5),
+        latency_p95_s=_percentile(latencies, 0.95), latency_mean_s=statistics.fmean(latencies),
+        queue_mean_s=statistics.fmean(r["queue"] for r in rows), tau=tokens / steps if steps else float("nan"),
+        completion_tokens=tokens,
+    )
+
+
+def format_table(results: list[LevelResult]) -> str:
+    head = ("clients", "requests", "req/s", "tok/s", "p50 s", "p95 s", "queue s", "tau")
+    rows = [head] + [
+        (str(r.concurrency), str(r.requests), f"{r.requests_per_s:.2f}", f"{r.completion_tokens_per_s:.1f}",
+         f"{r.latency_p50_s:.2f}", f"{r.latency_p95_s:.2f}", f"{r.queue_mean_s:.2f}", f"{r.tau:.2f}")
+        for r in results
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("bundle", nargs="?", help="bundle to serve (omit with --url)")
+    p.add_argument("--url", default=None, help="use a running server (http://host:port) instead of starting one")
+    p.add_argument("--llm", default=None, help="serve: where the bundle's LLM is")
+    p.add_argument("--dtype", default="fp32", help="serve: LLM dtype")
+    p.add_argument("--threads", type=int, default=None, help="serve: torch threads of the engine")
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts")
+    p.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-chat", dest="chat", action="store_false", help="use /v1/completions instead of chat")
+    p.add_argument("--prompts", default=None, help="JSONL/text prompt file (default: MT-bench first turns)")
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = p.parse_args(argv)
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if not args.url and not args.bundle:
+        p.error("give a BUNDLE or --url")
+    if args.requests < 1 or min(args.concurrency) < 1:
+        p.error("--requests and every --concurrency value must be >= 1")
+    prompts = _prompts(args.prompts)
+
+    proc, url = (None, args.url.rstrip("/")) if args.url else _start_server(args)
+    try:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=3600)
+        model = client.models.list().data[0].id
+        _one(client, model, prompts[0], args)  # warm-up
+        results = []
+        for c in args.concurrency:
+            results.append(run_level(client, model, prompts, c, args))
+            print(f"concurrency {c}: {results[-1].requests_per_s:.2f} req/s", file=sys.stderr, flush=True)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    print(format_table(results))
+    summary = {"url": url, "bundle": args.bundle, "model": model, "dtype": args.dtype, "threads": args.threads,
+               "chat": args.chat,
+               "max_tokens": args.max_tokens, "temperature": args.temperature, "levels": [asdict(r) for r in results]}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

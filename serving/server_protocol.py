@@ -1,0 +1,344 @@
+"""The OpenAI wire format of `boosttune serve`: request schemas, their validation, response bodies.
+
+Requests are checked in three layers, each with its own status, so that clients learn what to fix:
+
+- the body is not JSON, not UTF-8, or not a JSON object: 400 (``invalid_json``);
+- a field is missing or has the wrong JSON type (pydantic, strict: ``"5"`` is not a number and
+  ``true`` is not an integer): 422 (``invalid_type`` / ``missing_required_parameter``);
+- a value is out of range, unsupported (n > 1, logprobs, penalties, tools) or does not fit the
+  context: 400 (``invalid_value``, ``unsupported_parameter``, ``context_length_exceeded``).
+
+An unknown model is 404 (``model_not_found``); an oversized body 413 (server.py). Every error body is
+``{"error": {"message", "type", "param", "code"}}``. Unknown fields are ignored, as many clients send
+extras. Extensions beyond OpenAI's schema: ``top_k`` (sampling) and ``return_token_ids`` (adds the
+generated ids to the ``boosttune`` statistics of the response).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from boosttune.serving.sampling import SamplingParams
+
+MAX_STOP_STRINGS = 4
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: clients that want greedy send temperature 0
+_SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class APIError(Exception):
+    """An error answered to the client as ``{"error": {...}}`` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# --------------------------------------------------------------------------------------------
+# Schemas (types only; ranges and semantics are checked in ``_common``).
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    return_token_ids: bool = False
+
+
+class CompletionBody(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageBody(_Strict):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionBody(_SamplingFields):
+    messages: list[ChatMessageBody]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Validation.
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the served model accepts: its name, context, vocabulary and default answer length."""
+
+    name: str
+    context_length: int
+    vocab_size: int
+    default_max_tokens: int
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request, ready for the engine.
+
+    Attributes:
+        kind: "completion" or "chat" (decides the response objects).
+        prompt_ids: the prompt's token ids (chat template applied for chat).
+        max_tokens: tokens to generate at most.
+        sampling: temperature / top-p / top-k / seed (temperature 0 = greedy).
+        stop: stop strings (not included in the returned text).
+        stream: answer with server-sent events.
+        include_usage: streaming: send a final chunk with usage counts.
+        return_token_ids: add the generated ids to the ``boosttune`` statistics.
+    """
+
+    kind: Literal["completion", "chat"]
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+def _schema_error(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    loc = [str(x) for x in err["loc"]]
+    param = loc[0] if loc else None
+    if err["type"] == "missing":
+        return APIError(422, f"Missing required parameter: '{'.'.join(loc)}'.", param, "missing_required_parameter")
+    return APIError(422, f"Invalid type for '{'.'.join(loc)}': {err['msg']}.", param, "invalid_type")
+
+
+def _check(ok: bool, message: str, param: str, code: str = "invalid_value") -> None:
+    if not ok:
+        raise APIError(400, message, param, code)
+
+
+def _common(body: _SamplingFields, limits: ModelLimits) -> tuple[SamplingParams, tuple[str, ...]]:
+    """Model, sampling, n, stop and the unsupported OpenAI options shared by both endpoints."""
+    if body.model != limits.name:
+        raise APIError(404, f"The model '{body.model}' does not exist; this server serves '{limits.name}'.",
+                       "model", "model_not_found")
+    temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    top_k = 0 if body.top_k is None else body.top_k
+    _check(0.0 <= temperature <= 2.0, f"temperature must be between 0 and 2 (0 = greedy), got {temperature}.", "temperature")
+    _check(0.0 < top_p <= 1.0, f"top_p must be in (0, 1], got {top_p}.", "top_p")
+    _check(top_k >= 0, f"top_k must be >= 0 (0 disables it), got {top_k}.", "top_k")
+    n = 1 if body.n is None else body.n
+    _check(n >= 1, f"n must be >= 1, got {n}.", "n")
+    _check(n == 1, "n > 1 is not supported: this server returns one choice per request.", "n", "unsupported_parameter")
+    if body.seed is not None:
+        lo, hi = _SEED_RANGE
+        _check(lo <= body.seed <= hi, f"seed must be a 64-bit integer, got {body.seed}.", "seed")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(body, name)
+        _check(value is None or value == 0, f"{name} is not supported (only 0): penalties would change the "
+               "model's distribution, which speculative decoding reproduces exactly.", name, "unsupported_parameter")
+    _check(not body.logit_bias, "logit_bias is not supported.", "logit_bias", "unsupported_parameter")
+    stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    _check(len(stops) <= MAX_STOP_STRINGS, f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}.", "stop")
+    _check(all(stops), "stop strings must not be empty.", "stop")
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=body.seed), stops
+
+
+def _max_tokens(requested: int | None, default: int, prompt_len: int, limits: ModelLimits, prompt_param: str) -> int:
+    room = limits.context_length - prompt_len
+    _check(room >= 1, f"This model's maximum context length is {limits.context_length} tokens, but the prompt has "
+           f"{prompt_len} tokens; shorten it.", prompt_param, "context_length_exceeded")
+    if requested is None:
+        return min(default, room)
+    _check(requested >= 1, f"max_tokens must be >= 1, got {requested}.", "max_tokens")
+    _check(requested <= room, f"This model's maximum context length is {limits.context_length} tokens; the prompt "
+           f"has {prompt_len} and max_tokens asks for {requested}: lower max_tokens to at most {room}.",
+           "max_tokens", "context_length_exceeded")
+    return requested
+
+
+def _validate(model: type[_Strict], raw: Any) -> Any:
+    if not isinstance(raw, dict):
+        raise APIError(400, f"The request body must be a JSON object, got {type(raw).__name__}.", None, "invalid_json")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        raise _schema_error(e) from None
+
+
+def _completion_prompt(body: CompletionBody, tokenizer, limits: ModelLimits) -> list[int]:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        _check(len(prompt) == 1, f"Batched prompts are not supported (got {len(prompt)}); send one request per prompt.",
+               "prompt", "unsupported_parameter")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = list(tokenizer(prompt)["input_ids"])
+    else:
+        ids = list(prompt)
+        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+        _check(not bad, f"prompt token ids must be in [0, {limits.vocab_size}), got {bad[:3]}.", "prompt")
+    _check(len(ids) > 0, "prompt must not be empty.", "prompt")
+    return ids
+
+
+def parse_completion(raw: Any, tokenizer, limits: ModelLimits) -> GenerationRequest:
+    """A /v1/completions body (already JSON-decoded) → a validated request, or an :class:`APIError`."""
+    body = _validate(CompletionBody, raw)
+    sampling, stops = _common(body, limits)
+    _check(not body.echo, "echo is not supported.", "echo", "unsupported_parameter")
+    _check(body.logprobs is None, "logprobs is not supported.", "logprobs", "unsupported_parameter")
+    _check(body.best_of in (None, 1), "best_of > 1 is not supported.", "best_of", "unsupported_parameter")
+    _check(not body.suffix, "suffix is not supported.", "suffix", "unsupported_parameter")
+    ids = _completion_prompt(body, tokenizer, limits)
+    max_tokens = _max_tokens(body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(ids), limits, "prompt")
+    return GenerationRequest(
+        kind="completion", prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
+        stream=bool(body.stream), include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        return_token_ids=body.return_token_ids,
+    )
+
+
+def _message_text(msg: ChatMessageBody, i: int) -> str:
+    if msg.content is None or isinstance(msg.content, str):
+        return msg.content or ""
+    parts = []
+    for j, part in enumerate(msg.content):
+        _check(part.type == "text" and part.text is not None,
+               f"messages[{i}].content[{j}]: only text parts are supported, got type {part.type!r}.",
+               "messages", "unsupported_parameter")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation through the tokenizer's chat template, with the assistant's turn opened."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return list(out["input_ids"])  # transformers 5 returns a BatchEncoding
+
+
+def parse_chat(raw: Any, tokenizer, limits: ModelLimits) -> GenerationRequest:
+    """A /v1/chat/completions body (already JSON-decoded) → a validated request, or an :class:`APIError`."""
+    body = _validate(ChatCompletionBody, raw)
+    sampling, stops = _common(body, limits)
+    _check(not body.logprobs, "logprobs is not supported.", "logprobs", "unsupported_parameter")
+    _check(not body.tools, "tools are not supported.", "tools", "unsupported_parameter")
+    fmt = (body.response_format or {}).get("type", "text")
+    _check(fmt == "text", f"response_format {fmt!r} is not supported (only 'text').", "response_format",
+           "unsupported_parameter")
+    _check(len(body.messages) > 0, "messages must hold at least one message.", "messages")
+    messages = []
+    for i, msg in enumerate(body.messages):
+        _check(msg.role in _ROLES, f"messages[{i}].role {msg.role!r} is not supported; use one of "
+               f"{sorted(_ROLES)}.", "messages")
+        messages.append({"role": _ROLES[msg.role], "content": _message_text(msg, i)})
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "This model's tokenizer has no chat template; use /v1/completions.", "messages")
+    try:
+        ids = chat_prompt_ids(tokenizer, messages)
+    except Exception as e:  # the template may raise (e.g. roles that must alternate): the client's to fix
+        raise APIError(400, f"The chat template refused these messages: {e}", "messages") from None
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    try:
+        max_tokens = _max_tokens(requested, limits.default_max_tokens, len(ids), limits, "messages")
+    except APIError as e:
+        if e.param == "max_tokens":
+            e.param = param
+        raise
+    return GenerationRequest(
+        kind="chat", prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
+        stream=bool(body.stream), include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        return_token_ids=body.return_token_ids,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Responses.
+
+
+def new_id(kind: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response_body(kind: str, rid: str, model: str, text: str, finish_reason: str, usage_: dict, stats: dict) -> dict:
+    """A whole (non-streamed) completion or chat completion."""
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": usage_, "boosttune": stats}
+
+
+def chunk_body(kind: str, rid: str, model: str, text: str | None, finish_reason: str | None = None,
+               first: bool = False, stats: dict | None = None) -> dict:
+    """One streamed chunk; ``text=None`` sends an empty delta (the chat role chunk or the final one)."""
+    if kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+    if stats is not None:
+        body["boosttune"] = stats
+    return body
+
+
+def usage_chunk(kind: str, rid: str, model: str, usage_: dict) -> dict:
+    """The extra last chunk sent when ``stream_options.include_usage`` is set (empty choices)."""
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [], "usage": usage_}

@@ -1,0 +1,196 @@
+"""The engine worker: one thread owns the (not thread-safe) engine and serves a queue of jobs.
+
+HTTP handlers run on the server's event loop; they enqueue a :class:`Job` and receive its events
+(tokens, then done / failed / cancelled) through ``Job.deliver``, which the worker calls from its
+thread (the server wraps it with ``loop.call_soon_threadsafe``). A client that goes away sets
+``Job.cancel``: a queued job is then skipped, and a running one stops after the current step
+(the token callback raises :class:`_Cancelled`, which the worker catches), so its slot frees at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from boosttune.serving.engine import GenerationResult, SpeculativeEngine
+from boosttune.serving.sampling import SamplingParams
+from boosttune.serving.stops import StopCriteria
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokensEvent:
+    """Tokens committed by one engine step."""
+
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    """The job finished; ``queue_time`` is the seconds it waited before the engine took it."""
+
+    result: GenerationResult
+    queue_time: float
+
+
+@dataclass(frozen=True)
+class FailedEvent:
+    """The engine raised; the server stays up and answers this request with a 500."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class CancelledEvent:
+    """The job was cancelled (its client disconnected) before or while it ran."""
+
+
+Event = TokensEvent | DoneEvent | FailedEvent | CancelledEvent
+
+
+@dataclass
+class Job:
+    """One generation request as the worker sees it.
+
+    Attributes:
+        prompt_ids: the prompt's token ids.
+        stop: when to stop (its tokenizer, if any, is used on the worker thread only).
+        sampling: greedy or sampling parameters.
+        deliver: receives the job's events, called from the worker thread.
+        cancel: set by the server when the client has gone; checked after every engine step.
+        enqueued: ``time.perf_counter()`` when the job was submitted.
+    """
+
+    prompt_ids: list[int]
+    stop: StopCriteria
+    sampling: SamplingParams
+    deliver: Callable[[Event], None]
+    cancel: threading.Event = field(default_factory=threading.Event)
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+class QueueFullError(RuntimeError):
+    """More jobs are waiting than the worker's ``max_queue`` allows."""
+
+
+class _Cancelled(Exception):
+    """Raised from the token callback to abandon a job whose client has gone."""
+
+
+class EngineWorker:
+    """Runs jobs one at a time on a dedicated thread, in arrival order."""
+
+    def __init__(self, engine: SpeculativeEngine, max_queue: int = 64,
+                 on_finished: Callable[[Job, Event], None] | None = None, threads: int | None = None):
+        """``on_finished(job, final_event)`` runs on the worker thread after each job (metrics);
+        ``threads``: torch intra-op threads of the worker (None: torch's default)."""
+        self.engine = engine
+        self.threads = threads
+        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self._on_finished = on_finished
+        self._thread = threading.Thread(target=self._run, name="boosttune-engine", daemon=True)
+        self._current: Job | None = None
+        self._warmup_ids: list[int] | None = None
+
+    def start(self, warmup_ids: list[int] | None = None) -> None:
+        """Start the thread; with ``warmup_ids`` it first generates a few tokens after them, so
+        that lazy initialisation is not paid by the first request (which waits in the queue)."""
+        self._warmup_ids = warmup_ids
+        self._thread.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancel the running and the waiting jobs, and stop the thread."""
+        current = self._current
+        if current is not None:
+            current.cancel.set()
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel.set()
+                job.deliver(CancelledEvent())
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; raises :class:`QueueFullError` when the queue is full."""
+        if not self._thread.is_alive():
+            raise RuntimeError("the engine worker is not running")
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFullError(f"{self._queue.maxsize} requests are already waiting") from None
+
+    @property
+    def queue_depth(self) -> int:
+        """Jobs waiting (the running one excluded)."""
+        return self._queue.qsize()
+
+    @property
+    def busy(self) -> bool:
+        return self._current is not None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        # Subnormal floats made badly scaled models ~60x slower on CPU (see boosttune/cli.py, which
+        # sets this for the main thread); the setting is per thread, so the engine's thread sets its own.
+        torch.set_flush_denormal(True)
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        if self._warmup_ids:
+            try:
+                self.engine.generate(self._warmup_ids, StopCriteria(max_new_tokens=4))
+            except Exception:
+                log.exception("engine warm-up failed")
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if job.cancel.is_set():
+                self._finish(job, CancelledEvent())
+                continue
+            self._current = job
+            try:
+                self._finish(job, self._generate(job))
+            finally:
+                self._current = None
+
+    def _generate(self, job: Job) -> Event:
+        queue_time = time.perf_counter() - job.enqueued
+
+        def on_tokens(tokens: list[int]) -> None:
+            if job.cancel.is_set():
+                raise _Cancelled
+            job.deliver(TokensEvent(list(tokens)))
+
+        try:
+            result = self.engine.generate(job.prompt_ids, job.stop, job.sampling, on_tokens)
+        except _Cancelled:
+            return CancelledEvent()
+        except Exception as e:  # one bad request must not stop the worker
+            log.exception("engine failed on a request")
+            return FailedEvent(f"{type(e).__name__}: {e}")
+        return DoneEvent(result, queue_time)
+
+    def _finish(self, job: Job, event: Event) -> None:
+        try:
+            job.deliver(event)
+        finally:
+            if self._on_finished is not None:
+                try:
+                    self._on_finished(job, event)
+                except Exception:
+                    log.exception("on_finished hook failed")

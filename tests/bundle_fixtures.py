@@ -1,0 +1,61 @@
+"""A real (small) training run directory and its bundle, for the bundle, server and CLI tests.
+
+LLM: the "tiny-random" built-in (a 2-layer random llama with SmolLM2's tokenizer and chat
+template). SSMs: two differently seeded noisy copies of it, saved the way `boosttune train` saves
+them (save_pretrained + tokenizer + stats.json + complete.json), with a report.json in format 1
+and a scheduler directory. Everything is fp32 so greedy outputs can be compared token for token.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from boosttune import rundir
+from boosttune.models import TINY_LLM, load_model
+
+TREE = {"kind": "expansion", "widths": [1, 2, 1], "topk": 4, "depth": 6, "budget": 32, "min_prob": 0.0}
+
+
+def _noisy_copy(model, seed: int, noise: float):
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
+    return other
+
+
+def make_run_dir(root: Path, n_ssms: int = 2, scheduler: bool = True) -> Path:
+    """Write a run directory with ``n_ssms`` complete SSMs under ``root``; returns ``root``."""
+    llm = load_model(TINY_LLM)
+    stages = []
+    for k in range(1, n_ssms + 1):
+        ssm_dir = root / "ssms" / f"ssm-{k}"
+        ssm = _noisy_copy(llm.model, seed=100 + k, noise=0.02 * k)
+        ssm.save_pretrained(ssm_dir)
+        llm.tokenizer.save_pretrained(ssm_dir)
+        profile = {"per_depth": [0.6 / k, 0.4 / k, 0.2 / k], "per_rank": [[0.5, 0.1]]}
+        rundir.atomic_write_json(ssm_dir / "stats.json", {"train_loss": 1.0 + k, "acceptance_profile": profile})
+        rundir.mark_complete(ssm_dir, {"stage": k})
+        stages.append({"stage": k, "ssm_dir": f"ssms/ssm-{k}", "pool_before": 100 // k, "pool_after": 50 // k,
+                       "match_rate": 0.5, "ensemble_match_rate": 0.5 + 0.1 * k, "train_loss": 1.0 + k})
+    # A stage whose SSM never finished: export must leave it out.
+    (root / "ssms" / f"ssm-{n_ssms + 1}").mkdir(parents=True)
+    stages.append({"stage": n_ssms + 1, "ssm_dir": f"ssms/ssm-{n_ssms + 1}"})
+    if scheduler:
+        rundir.atomic_write_json(root / "scheduler" / "policy.json", {"kind": "test", "weights": [1, 2, 3]})
+        (root / "scheduler" / "features").mkdir()
+        (root / "scheduler" / "features" / "names.txt").write_text("prompt_len\n")
+        (root / "scheduler" / ".policy.json.123.tmp").write_text("half-written temporary")
+    rundir.atomic_write_json(root / rundir.REPORT, {
+        "format": rundir.REPORT_FORMAT,
+        "llm": {"ref": TINY_LLM, "path": llm.path, "dtype": "fp32"},
+        "tree": TREE,
+        "teacher": {},
+        "stages": stages,
+        "evaluation": {},
+    })
+    return root

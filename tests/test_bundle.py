@@ -1,0 +1,236 @@
+"""Bundles: export from a real (small) run directory, validation of every kind of damage, loading,
+and `boosttune export` / `boosttune generate BUNDLE "prompt"` on the command line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from bundle_fixtures import TREE, make_run_dir
+
+from boosttune import rundir
+from boosttune.cli import main
+from boosttune.export import export_bundle
+from boosttune.serving.bundle import (
+    BUNDLE_FORMAT,
+    MANIFEST,
+    BundleError,
+    load_bundle,
+    sha256_file,
+    verify_bundle,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models gain nothing from two threads, and on a CPU shared with other jobs two OpenMP
+    threads waiting for each other made these tests up to 10x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    return make_run_dir(tmp_path_factory.mktemp("run"))
+
+
+@pytest.fixture(scope="module")
+def bundle(run_dir, tmp_path_factory) -> Path:
+    return export_bundle(run_dir, tmp_path_factory.mktemp("exported") / "bundle").bundle
+
+
+@pytest.fixture
+def copy(bundle, tmp_path) -> Path:
+    """A private copy of the bundle to damage."""
+    return Path(shutil.copytree(bundle, tmp_path / "bundle"))
+
+
+def _manifest(root: Path) -> dict:
+    return json.loads((root / MANIFEST).read_text())
+
+
+def _write_manifest(root: Path, manifest: dict) -> None:
+    (root / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_export_lists_every_file_with_its_hash(bundle, run_dir):
+    m = _manifest(bundle)
+    assert m["format"] == BUNDLE_FORMAT and m["kind"] == "boosttune-bundle"
+    assert set(m["versions"]) >= {"boosttune", "torch", "transformers"}
+    files = {p.relative_to(bundle).as_posix() for p in bundle.rglob("*") if p.is_file()} - {MANIFEST}
+    assert set(m["files"]) == files
+    for rel, entry in m["files"].items():
+        assert entry == {"sha256": sha256_file(bundle / rel), "size": (bundle / rel).stat().st_size}
+    # The incomplete third stage is left out; the two complete SSMs are there in stage order.
+    assert [s["name"] for s in m["ssms"]] == ["ssm-1", "ssm-2"]
+    assert [s["stage"] for s in m["ssms"]] == [1, 2]
+    s1 = m["ssms"][0]
+    assert s1["weights"] == ["ssms/ssm-1/model.safetensors"] and s1["report"]["pool_before"] == 100
+    stats = json.loads((run_dir / "ssms/ssm-1/stats.json").read_text())
+    assert json.loads((bundle / s1["acceptance_profile"]).read_text()) == stats["acceptance_profile"]
+    assert json.loads((bundle / s1["stats"]).read_text()) == stats
+    # One tokenizer for all; none per SSM; no pickle anywhere.
+    assert (bundle / "tokenizer" / "tokenizer.json").is_file()
+    assert not any(p.name.startswith("tokenizer") for p in (bundle / "ssms").rglob("*"))
+    assert not any(p.suffix in (".bin", ".pt", ".pkl", ".pickle") for p in bundle.rglob("*"))
+    # The scheduler directory is copied file for file (its hidden temporary is not).
+    assert m["scheduler"] == {"dir": "scheduler", "files": ["scheduler/features/names.txt", "scheduler/policy.json"]}
+    assert m["tree"] == TREE
+    assert m["llm"]["ref"] == "tiny-random" and len(m["llm"]["sha256"]) == 64
+    assert set(m["llm"]["files"]) >= {"config.json", "model.safetensors"}
+
+
+def test_load_bundle_gives_models_tree_and_scheduler(bundle):
+    b = load_bundle(bundle)
+    assert len(b.ssms) == 2 and b.ssm_names == ["ssm-1", "ssm-2"]
+    assert b.tree.widths == (1, 2, 1)
+    assert b.scheduler_dir == bundle / "scheduler"
+    assert b.acceptance_profiles[0]["per_depth"][0] == pytest.approx(0.6)
+    assert b.llm.ref == "tiny-random" and b.context_length == 2048
+    assert all(s.tokenizer is b.llm.tokenizer for s in b.ssms)
+    assert b.llm.model.dtype == b.ssms[0].model.dtype
+
+
+def _delete(root: Path) -> str:
+    (root / "ssms/ssm-2/model.safetensors").unlink()
+    return "ssms/ssm-2/model.safetensors"
+
+
+def _truncate(root: Path) -> str:
+    path = root / "tokenizer/tokenizer.json"
+    path.write_bytes(path.read_bytes()[:-100])
+    return "tokenizer/tokenizer.json"
+
+
+def _flip_byte(root: Path) -> str:
+    path = root / "ssms/ssm-1/model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    return "ssms/ssm-1/model.safetensors"
+
+
+def _wrong_hash(root: Path) -> str:
+    m = _manifest(root)
+    entry = m["files"]["ssms/ssm-1/config.json"]
+    entry["sha256"] = ("0" if entry["sha256"][0] != "0" else "1") + entry["sha256"][1:]
+    _write_manifest(root, m)
+    return "ssms/ssm-1/config.json"
+
+
+def _unknown_format(root: Path) -> str:
+    m = _manifest(root)
+    m["format"] = BUNDLE_FORMAT + 98
+    _write_manifest(root, m)
+    return MANIFEST
+
+
+def _extra_file(root: Path) -> str:
+    (root / "ssms/ssm-1/pytorch_model.bin").write_bytes(b"not listed")
+    return "ssms/ssm-1/pytorch_model.bin"
+
+
+def _escaping_path(root: Path) -> str:
+    m = _manifest(root)
+    m["files"]["../outside.json"] = m["files"].pop("scheduler/policy.json")
+    _write_manifest(root, m)
+    return "../outside.json"
+
+
+def _no_manifest(root: Path) -> str:
+    (root / MANIFEST).unlink()
+    return MANIFEST
+
+
+def _broken_manifest(root: Path) -> str:
+    (root / MANIFEST).write_text('{"format": 1, ')
+    return MANIFEST
+
+
+def _missing_field(root: Path) -> str:
+    m = _manifest(root)
+    del m["ssms"][0]["config"]
+    _write_manifest(root, m)
+    return "ssms[0].config"
+
+
+@pytest.mark.parametrize("damage", [_delete, _truncate, _flip_byte, _wrong_hash, _unknown_format, _extra_file,
+                                    _escaping_path, _no_manifest, _broken_manifest, _missing_field])
+def test_damaged_bundle_is_refused_naming_the_file(copy, damage):
+    named = damage(copy)
+    with pytest.raises(BundleError) as e:
+        load_bundle(copy)
+    assert named in str(e.value)
+
+
+def test_refusal_messages_say_what_happened(bundle, copy):
+    _truncate(copy)
+    with pytest.raises(BundleError, match="truncated"):
+        verify_bundle(copy)
+    shutil.copyfile(bundle / "tokenizer/tokenizer.json", copy / "tokenizer/tokenizer.json")
+    m = _manifest(copy)
+    m["format"] = 2
+    _write_manifest(copy, m)
+    with pytest.raises(BundleError, match="unsupported bundle format 2"):
+        verify_bundle(copy)
+
+
+def test_llm_with_another_hash_is_refused(bundle, run_dir, tmp_path):
+    # An SSM of the run is a llama of the same shape with other weights: the wrong LLM.
+    with pytest.raises(BundleError, match="model.safetensors") as e:
+        verify_bundle(bundle, llm=str(run_dir / "ssms/ssm-1"))
+    assert "--llm" in str(e.value)
+    # The right LLM copied elsewhere is accepted (--llm overrides where it is, the hash decides).
+    llm_dir = Path(_manifest(bundle)["llm"]["path"])
+    moved = Path(shutil.copytree(llm_dir, tmp_path / "moved-llm"))
+    assert verify_bundle(bundle, llm=str(moved)).llm_dir == moved
+    # ... but not once its config changes.
+    config = json.loads((moved / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-3
+    (moved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(BundleError, match="config.json"):
+        verify_bundle(bundle, llm=str(moved))
+
+
+def test_export_refuses_what_it_cannot_bundle(run_dir, bundle, tmp_path):
+    with pytest.raises(ValueError, match="--force"):
+        export_bundle(run_dir, bundle)
+    empty = tmp_path / "empty-run"
+    rundir.atomic_write_json(empty / rundir.REPORT, {"format": rundir.REPORT_FORMAT, "llm": {"ref": "tiny-random"},
+                                                     "stages": []})
+    with pytest.raises(ValueError, match="no complete SSM"):
+        export_bundle(empty, tmp_path / "b1")
+    pickled = tmp_path / "pickled-run"
+    shutil.copytree(run_dir, pickled)
+    weights = pickled / "ssms/ssm-1/model.safetensors"
+    weights.rename(weights.with_name("pytorch_model.bin"))
+    with pytest.raises(ValueError, match="safetensors"):
+        export_bundle(pickled, tmp_path / "b2")
+    assert not (tmp_path / "b2").exists() and not list(tmp_path.glob(".b2.*"))
+
+
+def test_cli_export_then_generate_from_the_bundle(run_dir, tmp_path, capsys):
+    out = tmp_path / "cli-bundle"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    assert "ssm-1, ssm-2" in capsys.readouterr().out
+    rc = main(["generate", str(out), "Hello there", "--max-new-tokens", "8"])
+    captured = capsys.readouterr()
+    assert rc == 0 and "tau" in captured.err and captured.out.strip()
+    # Damage is reported as one line naming the file, exit code 2.
+    _flip_byte(out)
+    assert main(["generate", str(out), "Hello there"]) == 2
+    assert "ssms/ssm-1/model.safetensors" in capsys.readouterr().err
+    assert main(["generate", str(out), "Hello", "--ssm", "x"]) == 2
+
+
+def test_cli_serve_refuses_a_damaged_bundle_before_listening(copy, capsys):
+    _delete(copy)
+    assert main(["serve", str(copy), "--port", "0"]) == 2
+    assert "ssms/ssm-2/model.safetensors" in capsys.readouterr().err
+    assert main(["serve", str(copy), "--port", "70000"]) == 2
+    assert "--port" in capsys.readouterr().err

@@ -1,0 +1,344 @@
+"""`boosttune serve`: a real uvicorn server on a free local port, talked to with the official openai
+client and with raw httpx requests. Greedy answers must equal `boosttune generate` and plain
+incremental decoding token for token (fp32); bad requests get OpenAI-style errors and never take the
+server down; a client that disconnects frees the engine at once."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from bundle_fixtures import make_run_dir
+from openai import OpenAI
+
+from boosttune.cli import main
+from boosttune.export import export_bundle
+from boosttune.models import eos_token_ids
+from boosttune.prompts import encode_prompt
+from boosttune.serving.bundle import load_bundle
+from boosttune.serving.decode import incremental_generate
+from boosttune.serving.engine import GenerationResult
+from boosttune.serving.sampling import SamplingParams
+from boosttune.serving.server import ServerConfig, ServerThread, create_app
+from boosttune.serving.server_text import TextStream
+from boosttune.serving.server_worker import (
+    CancelledEvent,
+    DoneEvent,
+    EngineWorker,
+    FailedEvent,
+    Job,
+    QueueFullError,
+    TokensEvent,
+)
+from boosttune.serving.stops import StopCriteria
+
+MODEL = "tiny-bundle"
+PROMPTS = ["Hello there", "Write a haiku about the sea.", "What is 2+2?", "Name three colours.",
+           "Tell me a joke.", "Why is the sky blue?", "Translate 'cat' to French.", "List two primes."]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models gain nothing from two threads, and on a CPU shared with other jobs two OpenMP
+    threads waiting for each other made these tests up to 10x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def bundle_dir(tmp_path_factory) -> Path:
+    run = make_run_dir(tmp_path_factory.mktemp("run"))
+    return export_bundle(run, tmp_path_factory.mktemp("exported") / "bundle").bundle
+
+
+@pytest.fixture(scope="module")
+def loaded(bundle_dir):
+    return load_bundle(bundle_dir)
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    # One engine thread: on a CPU shared with other jobs, two OpenMP threads wait for each other.
+    config = ServerConfig(model_name=MODEL, max_body_bytes=64 * 1024, disconnect_poll_s=0.05, torch_threads=1)
+    app = create_app(loaded, config)
+    with ServerThread(app) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _plain(loaded, ids: list[int], max_tokens: int) -> list[int]:
+    stop = StopCriteria(max_new_tokens=max_tokens, eos_token_ids=eos_token_ids(loaded.llm))
+    return incremental_generate(loaded.llm.model, ids, stop).tokens
+
+
+def _greedy(client, prompt: str, max_tokens: int = 12, chat: bool = False):
+    extra = {"return_token_ids": True}
+    if chat:
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=max_tokens, temperature=0, extra_body=extra)
+        return r.choices[0].message.content, r
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=extra)
+    return r.choices[0].text, r
+
+
+def test_models_and_health(client, server):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    info = models[0].model_extra["boosttune"]
+    assert info["ssms"] == ["ssm-1", "ssm-2"] and info["tree"]["widths"] == [1, 2, 1]
+    health = httpx.get(f"{server}/health").json()
+    assert health["status"] == "ok" and health["model"] == MODEL
+
+
+def test_greedy_answers_equal_plain_decoding_and_generate(client, loaded, bundle_dir, capsys):
+    tok = loaded.llm.tokenizer
+    prompt = PROMPTS[1]
+    # completions: the raw prompt; chat: the chat template, as `boosttune generate` applies it.
+    text, r = _greedy(client, prompt, max_tokens=16)
+    ids = tok(prompt)["input_ids"]
+    assert r.model_extra["boosttune"]["token_ids"] == _plain(loaded, ids, 16)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 16 and r.usage.total_tokens == len(ids) + 16
+    assert r.choices[0].finish_reason == "length"
+    chat_text, rc = _greedy(client, prompt, max_tokens=16, chat=True)
+    chat_ids = encode_prompt(tok, prompt)
+    assert rc.model_extra["boosttune"]["token_ids"] == _plain(loaded, chat_ids, 16)
+    assert rc.usage.prompt_tokens == len(chat_ids)
+    stats = rc.model_extra["boosttune"]
+    assert stats["tau"] == pytest.approx(16 / stats["steps"]) and sum(stats["accept_lengths"]) == 16
+    assert stats["ssms"] == ["ssm-1", "ssm-2"] and set(stats["ssm_hits"]) == {"ssm-1", "ssm-2"}
+
+    assert main(["generate", str(bundle_dir), prompt, "--max-new-tokens", "16"]) == 0
+    assert capsys.readouterr().out == chat_text + "\n"
+    assert main(["generate", str(bundle_dir), prompt, "--max-new-tokens", "16", "--no-chat"]) == 0
+    assert capsys.readouterr().out == text + "\n"
+
+    # Streaming gives the same text, in deltas, then statistics with the finish reason, then usage.
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_text
+    final = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
+    assert final.choices[0].finish_reason == "length" and final.model_extra["boosttune"]["steps"] == stats["steps"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == text
+    assert sum(1 for c in streamed if c.choices[0].text) > 1  # really streamed, not one block
+
+
+def test_sixteen_concurrent_clients_get_their_serial_answers(client):
+    jobs = [(PROMPTS[i % len(PROMPTS)], 6 + i % 5, i % 2 == 1) for i in range(16)]
+    serial = [_greedy(client, p, n, chat)[0] for p, n, chat in jobs]
+    with ThreadPoolExecutor(16) as pool:
+        concurrent = list(pool.map(lambda job: _greedy(client, *job)[0], jobs))
+    assert concurrent == serial
+
+
+def test_sampling_is_reproducible_with_a_seed_and_stop_strings_cut(client):
+    def sampled(seed):
+        return client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0.9, top_p=0.95,
+                                         seed=seed, extra_body={"top_k": 50}).choices[0].text
+    assert sampled(7) == sampled(7)
+    full, _ = _greedy(client, PROMPTS[2], max_tokens=12)
+    stop = full.strip().split(" ")[2]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == full[: full.index(stop)]
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+
+
+def _metric(server: str, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(f"{server}/metrics").text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            key = line.split(" ")[0].split("{")[0]
+            if key == name:
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_disconnecting_clients_free_the_engine_at_once(client, server):
+    cancelled, generated = (_metric(server, f"boosttune_{m}_total") for m in ("cancelled_requests", "generated_tokens"))
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    # A non-streamed request whose client times out is abandoned too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json={**body, "stream": False}, timeout=0.5)
+    deadline = time.monotonic() + 60
+    while _metric(server, "boosttune_cancelled_requests_total") < cancelled + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(server, "boosttune_cancelled_requests_total") == cancelled + 2
+    health = httpx.get(f"{server}/health").json()
+    assert health["queue_depth"] == 0 and not health["busy"]
+    # Both stopped far short of their 2 x 2000 tokens, and the next request waits for nothing.
+    assert _metric(server, "boosttune_generated_tokens_total") - generated < 1000
+    _, r = _greedy(client, PROMPTS[3], max_tokens=4)
+    assert r.model_extra["boosttune"]["queue_seconds"] < 2.0
+
+
+def test_metrics_report_tokens_tau_queue_and_latency(client, server):
+    _greedy(client, PROMPTS[4], max_tokens=5)
+    text = httpx.get(f"{server}/metrics").text
+    for name in ["boosttune_generated_tokens_total", "boosttune_tau_bucket", "boosttune_queue_depth",
+                 "boosttune_request_latency_seconds_bucket", "boosttune_tokens_per_second_bucket",
+                 "boosttune_time_to_first_token_seconds_bucket", "boosttune_active_requests"]:
+        assert name in text, name
+    assert _metric(server, "boosttune_generated_tokens_total") >= 5
+    assert 'boosttune_requests_total{endpoint="/v1/completions",status="200"}' in text
+
+
+LONG = "hello " * 2100  # > 2048 tokens, the tiny LLM's context
+OK = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
+OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+# (name, path, body: dict | bytes, status, param or None)
+BAD = [
+    ("malformed json", "/v1/completions", b'{"model": ', 400, None),
+    ("empty body", "/v1/completions", b"", 400, None),
+    ("not utf-8", "/v1/completions", b'{"model": "\xff"}', 400, None),
+    ("json array", "/v1/completions", b"[1, 2]", 400, None),
+    ("missing model", "/v1/completions", {"prompt": "Hi"}, 422, "model"),
+    ("missing prompt", "/v1/completions", {"model": MODEL}, 422, "prompt"),
+    ("missing messages", "/v1/chat/completions", {"model": MODEL}, 422, "messages"),
+    ("prompt is a number", "/v1/completions", {**OK, "prompt": 5}, 422, "prompt"),
+    ("max_tokens is a string", "/v1/completions", {**OK, "max_tokens": "10"}, 422, "max_tokens"),
+    ("max_tokens is a bool", "/v1/completions", {**OK, "max_tokens": True}, 422, "max_tokens"),
+    ("temperature is a string", "/v1/completions", {**OK, "temperature": "hot"}, 422, "temperature"),
+    ("stream is a string", "/v1/completions", {**OK, "stream": "yes"}, 422, "stream"),
+    ("messages not a list", "/v1/chat/completions", {**OK_CHAT, "messages": "Hi"}, 422, "messages"),
+    ("message without role", "/v1/chat/completions", {**OK_CHAT, "messages": [{"content": "Hi"}]}, 422, "messages"),
+    ("max_tokens 0", "/v1/completions", {**OK, "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", "/v1/chat/completions", {**OK_CHAT, "max_tokens": -3}, 400, "max_tokens"),
+    ("temperature negative", "/v1/completions", {**OK, "temperature": -0.5}, 400, "temperature"),
+    ("temperature too high", "/v1/completions", {**OK, "temperature": 2.5}, 400, "temperature"),
+    ("temperature NaN", "/v1/completions", b'{"model": "%s", "prompt": "Hi", "temperature": NaN}' % MODEL.encode(),
+     400, "temperature"),
+    ("top_p 0", "/v1/completions", {**OK, "top_p": 0}, 400, "top_p"),
+    ("top_p above 1", "/v1/chat/completions", {**OK_CHAT, "top_p": 1.5}, 400, "top_p"),
+    ("top_k negative", "/v1/completions", {**OK, "top_k": -1}, 400, "top_k"),
+    ("n 2", "/v1/completions", {**OK, "n": 2}, 400, "n"),
+    ("n 0", "/v1/chat/completions", {**OK_CHAT, "n": 0}, 400, "n"),
+    ("seed too large", "/v1/completions", {**OK, "seed": 2**70}, 400, "seed"),
+    ("five stop strings", "/v1/completions", {**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("empty prompt", "/v1/completions", {**OK, "prompt": ""}, 400, "prompt"),
+    ("token id outside the vocabulary", "/v1/completions", {**OK, "prompt": [1, 10**9]}, 400, "prompt"),
+    ("batched prompts", "/v1/completions", {**OK, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("prompt longer than the context", "/v1/completions", {**OK, "prompt": LONG}, 400, "prompt"),
+    ("chat longer than the context", "/v1/chat/completions",
+     {**OK_CHAT, "messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+    ("max_tokens beyond the context", "/v1/completions", {**OK, "max_tokens": 5000}, 400, "max_tokens"),
+    ("unknown role", "/v1/chat/completions", {**OK_CHAT, "messages": [{"role": "wizard", "content": "Hi"}]}, 400,
+     "messages"),
+    ("no messages", "/v1/chat/completions", {**OK_CHAT, "messages": []}, 400, "messages"),
+    ("logprobs", "/v1/completions", {**OK, "logprobs": 3}, 400, "logprobs"),
+    ("penalty", "/v1/chat/completions", {**OK_CHAT, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("tools", "/v1/chat/completions", {**OK_CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("unknown model", "/v1/completions", {**OK, "model": "gpt-4"}, 404, "model"),
+    ("unknown model (chat)", "/v1/chat/completions", {**OK_CHAT, "model": "gpt-4"}, 404, "model"),
+    ("unknown route", "/v1/embeddings", OK, 404, None),
+    ("oversized body", "/v1/completions", {**OK, "prompt": "x" * (70 * 1024)}, 413, None),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_get_openai_errors(server, name, path, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{server}{path}", content=content, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    assert err["type"] == "invalid_request_error"
+
+
+def test_server_still_serves_after_bad_requests(server, client):
+    assert httpx.get(f"{server}/v1/completions").status_code == 405  # wrong method, OpenAI-style error too
+    assert httpx.get(f"{server}/health").status_code == 200
+    text, r = _greedy(client, PROMPTS[5], max_tokens=4)
+    assert r.usage.completion_tokens == 4 and text
+    assert _metric(server, "boosttune_failed_requests_total") == 0
+
+
+def test_text_stream_holds_back_partial_stop_strings(loaded):
+    tok = loaded.llm.tokenizer
+    ids = tok("The cat sat on the mat. Then it slept.")["input_ids"]
+    stream = TextStream(tok, stop=["mat. Then"])
+    shown = "".join(stream.push([t]) for t in ids) + stream.finish()
+    assert shown == stream.text == "The cat sat on the "
+    plain = TextStream(tok)
+    assert "".join(plain.push([t]) for t in ids) + plain.finish() == tok.decode(ids)
+
+
+class _FakeEngine:
+    """Emits ``n`` single-token steps, sleeping ``delay`` each; prompt [-1] makes it fail."""
+
+    def __init__(self, delay: float = 0.0):
+        self.delay = delay
+        self.started = threading.Event()
+
+    def generate(self, prompt_ids, stop, sampling, on_tokens):
+        if prompt_ids[0] == -1:
+            raise RuntimeError("boom")
+        self.started.set()
+        out = []
+        for i in range(stop.max_new_tokens):
+            time.sleep(self.delay)
+            out.append(i)
+            on_tokens([i])
+        return GenerationResult(out, [1] * len(out), 0.01, "length", [])
+
+
+def _job(prompt, n, events):
+    return Job(prompt, StopCriteria(max_new_tokens=n), SamplingParams(), events.append)
+
+
+def test_worker_runs_in_order_survives_failures_and_skips_cancelled_jobs():
+    engine = _FakeEngine(delay=0.01)
+    worker = EngineWorker(engine, max_queue=2)
+    worker.start()
+    try:
+        first, failing, cancelled, full = [], [], [], []
+        long_job = _job([1], 1000, first)
+        worker.submit(long_job)
+        assert engine.started.wait(5)
+        worker.submit(_job([-1], 3, failing))
+        skipped = _job([1], 3, cancelled)
+        worker.submit(skipped)
+        with pytest.raises(QueueFullError):
+            worker.submit(_job([1], 3, full))
+        skipped.cancel.set()
+        long_job.cancel.set()  # the running job stops after its current step
+        deadline = time.monotonic() + 5
+        while not (failing and cancelled) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert isinstance(first[-1], CancelledEvent) and 0 < len(first) < 1000
+        assert all(isinstance(e, TokensEvent) for e in first[:-1])
+        assert isinstance(failing[-1], FailedEvent) and "boom" in failing[-1].message
+        assert cancelled == [CancelledEvent()]
+        done = []
+        worker.submit(_job([1], 3, done))
+        deadline = time.monotonic() + 5
+        while not done or not isinstance(done[-1], DoneEvent):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert [e.tokens for e in done[:-1]] == [[0], [1], [2]]
+    finally:
+        worker.close()
+    assert not worker.alive
