@@ -30,6 +30,8 @@ def add_commands(sub) -> dict:
     s.add_argument("--default-max-tokens", type=int, default=256, help="chat answer length when max_tokens is absent")
     s.add_argument("--threads", type=int, default=None,
                    help="torch threads of the engine (default: torch's; 1 is best on a CPU shared with other jobs)")
+    s.add_argument("--no-scheduler", action="store_true",
+                   help="ignore the bundle's learned scheduler: every request drafts with all SSMs")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return {"export": cmd_export, "serve": cmd_serve}
 
@@ -55,7 +57,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     config = ServerConfig(model_name=args.model_name, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-                          default_max_tokens=args.default_max_tokens, torch_threads=args.threads)
+                          default_max_tokens=args.default_max_tokens, torch_threads=args.threads,
+                          use_scheduler=not args.no_scheduler)
     bundle = load_bundle(args.bundle, llm=args.llm, dtype=args.dtype, ssm_dtype=args.ssm_dtype)
     run_server(bundle, config, host=args.host, port=args.port, log_level=args.log_level)
     return 0

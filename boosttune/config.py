@@ -85,6 +85,9 @@ class TeacherConfig:
     """Keep the LLM's top-k log-probs per position for a KL/TV loss (0 = off)."""
     attn_implementation: str = "eager"
     """'eager' measured ~20x faster than 'sdpa' for left-padded batched generate on this CPU."""
+    reuse_from: str = ""
+    """Start from another run's prompts and teacher shards (hard links), e.g. for an ablation; its
+    llm, prompts and teacher settings must equal this run's."""
 
 
 @dataclass
@@ -360,6 +363,9 @@ def validate(cfg: TrainConfig) -> None:
     _check(b.num_ssms >= 1, "boost.num_ssms", "must be >= 1")
     _check(b.match.k >= 1, "boost.match.k", "must be >= 1")
     _check(0 < b.match.fraction <= 1, "boost.match.fraction", "must be in (0, 1]")
+    if cfg.teacher.reuse_from:
+        _check((Path(cfg.teacher.reuse_from) / "prompts" / "complete.json").is_file(), "teacher.reuse_from",
+               f"{cfg.teacher.reuse_from} is not a run directory with a finished prompt set")
     if cfg.eval.prompts:
         _check(Path(cfg.eval.prompts).is_file(), "eval.prompts", f"file not found: {cfg.eval.prompts}")
     _check(all(w >= 1 for w in cfg.eval.widths) and bool(cfg.eval.widths), "eval.widths",

@@ -14,6 +14,7 @@ ablation). Every SSM starts from the same initialisation (``ssm.*``) with its ow
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import time
@@ -73,18 +74,61 @@ def preflight(cfg: TrainConfig) -> None:
     """Checks that need no model weights: models resolvable, optional packages present."""
     import importlib.util
 
+    paths = {}
     for where, ref in (("llm.ref", cfg.llm.ref), ("ssm.init", cfg.ssm.init if cfg.ssm.init != "derived" else None)):
         if ref is not None:
             try:
-                resolve_model_path(ref)
+                paths[where] = resolve_model_path(ref)
             except ValueError as e:
                 raise ConfigError(f"{where}: {e}") from None
+    if "ssm.init" in paths:  # tokenizers only: a vocabulary mismatch fails before any weights load
+        from transformers import AutoConfig, AutoTokenizer
+
+        from boosttune.models import check_same_vocabulary
+
+        toks = {w: AutoTokenizer.from_pretrained(p) for w, p in paths.items()}
+        sizes = {w: AutoConfig.from_pretrained(p).vocab_size for w, p in paths.items()}
+        try:
+            check_same_vocabulary(toks["llm.ref"], toks["ssm.init"], sizes["llm.ref"], sizes["ssm.init"], cfg.ssm.init)
+        except ValueError as e:
+            raise ConfigError(f"ssm.init: {e}") from None
     if cfg.optim.strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         raise ConfigError(f"optim.strategy: {cfg.optim.strategy} needs DeepSpeed: pip install 'boosttune[deepspeed]'")
     if cfg.lora.enabled and importlib.util.find_spec("peft") is None:
         raise ConfigError("lora.enabled: needs PEFT: pip install 'boosttune[peft]'")
+    if cfg.teacher.reuse_from:
+        check_reuse(cfg)
     if cfg.scheduler.prompts and not Path(cfg.scheduler.prompts).is_file():
         raise ConfigError(f"scheduler.prompts: file not found: {cfg.scheduler.prompts}")
+
+
+def check_reuse(cfg: TrainConfig) -> None:
+    """``teacher.reuse_from`` needs a run made with the same LLM, prompt and teacher settings."""
+    src = Path(cfg.teacher.reuse_from)
+    theirs = _flatten(to_dict(load_config(src / "config.yaml")))
+    ours = _flatten(to_dict(cfg))
+    for k in sorted(ours):
+        if k.startswith(("llm.ref", "llm.teacher_dtype", "prompts.", "teacher.")) and k != "teacher.reuse_from" \
+                and theirs.get(k) != ours[k]:
+            raise ConfigError(f"teacher.reuse_from: {src} was made with {k}={theirs.get(k)!r}, this run has {ours[k]!r}")
+
+
+def reuse_teacher(cfg: TrainConfig, run: Path) -> None:
+    """Hard-link another run's prompt set and teacher shards into ``run``."""
+    src = Path(cfg.teacher.reuse_from)
+    if rundir.is_complete(run / "prompts"):
+        return
+    for name in ("teacher", "prompts"):  # prompts last: its marker says the reuse is complete
+        dst = run / name
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(src / name, dst, copy_function=_link_or_copy, ignore=shutil.ignore_patterns(".*.tmp"))
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def _device(cfg: TrainConfig) -> str:
@@ -323,6 +367,8 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
     pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else min(eos_token_ids(llm))
 
     if dist.is_main():
+        if cfg.teacher.reuse_from:
+            reuse_teacher(cfg, run)
         build_prompts(cfg, run, llm)
     dist.barrier()
     prompts_info = json.loads((run / "prompts" / rundir.MARKER).read_text())

@@ -89,6 +89,7 @@ class ServerConfig:
     disconnect_poll_s: float = 0.25
     warmup: bool = True
     torch_threads: int | None = None
+    use_scheduler: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_body_bytes", "default_max_tokens"):
@@ -100,6 +101,17 @@ class ServerConfig:
             raise ValueError(f"server disconnect_poll_s must be > 0, got {self.disconnect_poll_s}")
         if self.model_name is not None and not self.model_name.strip():
             raise ValueError("server model_name must not be empty (omit it to use the bundle's directory name)")
+
+
+def load_scheduler(bundle: LoadedBundle):
+    """The bundle's learned scheduler, or None when it has none (every request uses all SSMs)."""
+    if bundle.scheduler_dir is None or not (bundle.scheduler_dir / "scheduler.json").is_file():
+        return None
+    from boosttune.scheduler.policy import Scheduler
+
+    sched = Scheduler.load(bundle.scheduler_dir / "scheduler.json")
+    log.info("learned scheduler loaded from %s", bundle.scheduler_dir)
+    return sched
 
 
 class _State:
@@ -124,8 +136,9 @@ class _State:
             vocab_size=model_vocab_size(bundle.llm.model), default_max_tokens=config.default_max_tokens,
         )
         engine = SpeculativeEngine.from_models(bundle.llm.model, [s.model for s in bundle.ssms], bundle.tree)
+        self.scheduler = load_scheduler(bundle) if config.use_scheduler else None
         self.worker = EngineWorker(engine, config.max_queue, on_finished=self._on_finished,
-                                   threads=config.torch_threads)
+                                   threads=config.torch_threads, scheduler=self.scheduler)
         self.metrics = ServerMetrics(queue_depth=lambda: self.worker.queue_depth)
 
     def _on_finished(self, job: Job, event: Event) -> None:
@@ -204,7 +217,7 @@ class _Submission:
         tokenizer = state.worker_tokenizer if req.stop else None
         stop = StopCriteria(max_new_tokens=req.max_tokens, eos_token_ids=state.eos, stop_strings=req.stop,
                             tokenizer=tokenizer)
-        self.job = Job(req.prompt_ids, stop, req.sampling, self._deliver)
+        self.job = Job(req.prompt_ids, stop, req.sampling, self._deliver, chat=req.kind == "chat")
         self._getter: asyncio.Future | None = None
         self.first_token_seen = False
         self.generated_tokens = state.metrics.generated_tokens

@@ -66,6 +66,7 @@ class Job:
         deliver: receives the job's events, called from the worker thread.
         cancel: set by the server when the client has gone; checked after every engine step.
         enqueued: ``time.perf_counter()`` when the job was submitted.
+        chat: the prompt went through the chat template (a scheduler feature).
     """
 
     prompt_ids: list[int]
@@ -74,6 +75,7 @@ class Job:
     deliver: Callable[[Event], None]
     cancel: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.perf_counter)
+    chat: bool = True
 
 
 class QueueFullError(RuntimeError):
@@ -88,10 +90,14 @@ class EngineWorker:
     """Runs jobs one at a time on a dedicated thread, in arrival order."""
 
     def __init__(self, engine: SpeculativeEngine, max_queue: int = 64,
-                 on_finished: Callable[[Job, Event], None] | None = None, threads: int | None = None):
+                 on_finished: Callable[[Job, Event], None] | None = None, threads: int | None = None,
+                 scheduler=None):
         """``on_finished(job, final_event)`` runs on the worker thread after each job (metrics);
-        ``threads``: torch intra-op threads of the worker (None: torch's default)."""
+        ``threads``: torch intra-op threads of the worker (None: torch's default); ``scheduler``:
+        a learned ``boosttune.scheduler.policy.Scheduler`` choosing each request's SSMs and tree
+        (None: every request drafts with all SSMs)."""
         self.engine = engine
+        self.scheduler = scheduler
         self.threads = threads
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._on_finished = on_finished
@@ -177,7 +183,8 @@ class EngineWorker:
             job.deliver(TokensEvent(list(tokens)))
 
         try:
-            result = self.engine.generate(job.prompt_ids, job.stop, job.sampling, on_tokens)
+            extra = {} if self.scheduler is None else {"plan": self.scheduler.planner(job.prompt_ids, job.chat)}
+            result = self.engine.generate(job.prompt_ids, job.stop, job.sampling, on_tokens, **extra)
         except _Cancelled:
             return CancelledEvent()
         except Exception as e:  # one bad request must not stop the worker

@@ -23,6 +23,7 @@ PACKAGES = {  # import name -> folder in the repository
     "boosttune.serving": "serving",
     "boosttune.kernels": "kernels",
     "boosttune.scheduler": "scheduler",
+    "boosttune.data": "data",
 }
 FOREIGN = ["kernels", "scheduler", "serving"]  # must not be importable as top-level modules
 

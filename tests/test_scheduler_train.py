@@ -106,3 +106,33 @@ def test_train_scheduler_refuses_bad_configs_by_name(run_dir, tmp_path, capsys):
     assert "scheduler.budgets" in capsys.readouterr().err
     assert main(["train-scheduler", str(tmp_path), "--prompts", str(MT_BENCH)]) == 2
     assert "no report.json" in capsys.readouterr().err
+
+
+def test_server_uses_the_exported_scheduler_and_stays_lossless(run_dir, tmp_path):
+    """The scheduler trained above travels in the bundle; the server plans every request with it."""
+    from openai import OpenAI
+
+    from boosttune.export import export_bundle
+    from boosttune.models import eos_token_ids
+    from boosttune.prompts import encode_prompt
+    from boosttune.serving.bundle import load_bundle
+    from boosttune.serving.decode import incremental_generate
+    from boosttune.serving.server import ServerConfig, ServerThread, create_app
+    from boosttune.serving.stops import StopCriteria
+
+    assert (run_dir / "scheduler" / "scheduler.json").is_file()  # written by the test above
+    for k in (1, 2):  # export carries each SSM's training statistics
+        (run_dir / "ssms" / f"ssm-{k}" / "stats.json").write_text(json.dumps({"stage": k}))
+    bundle = load_bundle(export_bundle(run_dir, tmp_path / "bundle").bundle)
+    app = create_app(bundle, ServerConfig(model_name="m", torch_threads=1, warmup=False))
+    assert app.state.boosttune.scheduler is not None
+    with ServerThread(app) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.completions.create(model="m", prompt="Name three colours.", max_tokens=10, temperature=0,
+                                      extra_body={"return_token_ids": True})
+    stats = r.model_extra["boosttune"]
+    tok = bundle.llm.tokenizer
+    ids = encode_prompt(tok, "Name three colours.", chat=False)
+    plain = incremental_generate(bundle.llm.model, ids, StopCriteria(max_new_tokens=10, eos_token_ids=eos_token_ids(bundle.llm)))
+    assert stats["token_ids"] == plain.tokens
+    assert set(stats["ssms"]) <= {"ssm-1", "ssm-2"}  # what the scheduler chose (possibly none)

@@ -171,6 +171,12 @@ def _metric(server: str, name: str) -> float:
     return total
 
 
+def _wait_for_metric(server: str, name: str, value: float, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while _metric(server, name) < value and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_disconnecting_clients_free_the_engine_at_once(client, server):
     cancelled, generated = (_metric(server, f"boosttune_{m}_total") for m in ("cancelled_requests", "generated_tokens"))
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0, "stream": True}
@@ -178,6 +184,7 @@ def test_disconnecting_clients_free_the_engine_at_once(client, server):
         assert r.status_code == 200
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
+    _wait_for_metric(server, "boosttune_cancelled_requests_total", cancelled + 1)
     # A non-streamed request whose client times out is abandoned too.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server}/v1/completions", json={**body, "stream": False}, timeout=0.5)

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "smollm2-demo.yaml", "openwebtext-llama7b.yaml"])
+@pytest.mark.parametrize("name", ["tiny.yaml", "smollm2-demo.yaml", "smollm2-long.yaml", "openwebtext-llama7b.yaml"])
 def test_shipped_configs_resolve(name: str) -> None:
     cfg = load_config(CONFIGS / name)
     assert isinstance(cfg, TrainConfig)
@@ -138,3 +138,21 @@ def test_cli_names_a_missing_model(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "llm.ref:" in proc.stderr and "/no/such/model" in proc.stderr
+
+
+def test_an_ssm_init_with_another_vocabulary_is_refused_at_start(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from boosttune.config import load_config
+    from boosttune.models import resolve_model_path
+    from boosttune.pipeline import preflight
+
+    other = tmp_path / "other-ssm"
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("tiny-random"))
+    tok.add_tokens(["<brand-new-token>"])
+    tok.save_pretrained(other)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(other)
+    cfg = load_config(CONFIGS / "tiny.yaml", [f"ssm.init={other}"])
+    with pytest.raises(ConfigError, match="ssm.init: SSM .* has a different vocabulary"):
+        preflight(cfg)

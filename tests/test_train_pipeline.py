@@ -84,6 +84,17 @@ def test_rerun_of_a_finished_run_redoes_nothing(tiny_run: Path) -> None:
     assert shards == {p: p.stat().st_mtime_ns for p in (tiny_run / "teacher").glob("shard-*.arrow")}
 
 
+def test_independent_ablation_reuses_the_teacher(tiny_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "ablation"
+    ok(train(run, f"teacher.reuse_from={tiny_run}", "boost.mode=independent", "boost.num_ssms=2", "eval.enabled=false"))
+    shard = "shard-00000.arrow"
+    assert (run / "teacher" / shard).stat().st_ino == (tiny_run / "teacher" / shard).stat().st_ino  # linked, not redone
+    stages = json.loads((run / "report.json").read_text())["stages"]
+    assert [s["pool_before"] for s in stages] == [48, 48] and all(s["mode"] == "independent" for s in stages)
+    bad = train(tmp_path / "other", f"teacher.reuse_from={tiny_run}", "teacher.max_new_tokens=5")
+    assert bad.returncode == 2 and "teacher.max_new_tokens=24" in bad.stderr
+
+
 def test_kill_during_teacher_keeps_whole_shards_and_ignores_the_half_written_one(tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = train(run, "boost.num_ssms=1", "eval.enabled=false", kill_at="teacher-shard-tmp:2")
