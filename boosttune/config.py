@@ -359,6 +359,8 @@ def validate(cfg: TrainConfig) -> None:
         _check(o.strategy.startswith("deepspeed"), "optim.strategy",
                "a deepspeed_config needs strategy deepspeed_stage_2 or deepspeed_stage_3")
         check_deepspeed_json(cfg)
+    if o.strategy.startswith("deepspeed_stage_3"):
+        _check(not cfg.lora.enabled, "lora.enabled", "LoRA with ZeRO-3 is not supported; use deepspeed_stage_2")
     b = cfg.boost
     _check(b.num_ssms >= 1, "boost.num_ssms", "must be >= 1")
     _check(b.match.k >= 1, "boost.match.k", "must be >= 1")

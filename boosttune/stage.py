@@ -151,8 +151,27 @@ def train_stage(model, samples: list[Sample], cfg: TrainConfig, stage_dir: Path,
         "resumed_from_step": resumed_from, "precision": precision(cfg), "world_size": dist.world_size(),
         "strategy": type(trainer.strategy).__name__,
     }
+    if cfg.optim.strategy.startswith("deepspeed_stage_3"):  # parameters are partitioned across ranks
+        return zero3_model(ckpt, type(module.model), module.model.config), stats
     final = module.model.merge_and_unload() if cfg.lora.enabled else module.model
     return final, stats
+
+
+def zero3_model(ckpt_dir: Path, model_cls, config):
+    """The whole fp32 model from a ZeRO-3 checkpoint folder (rank 0 consolidates, every rank loads).
+
+    Written against Lightning's DeepSpeed utilities; not run on this project's CPU-only CI.
+    """
+    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+    out = ckpt_dir.with_name("consolidated.pt")
+    if dist.is_main():
+        convert_zero_checkpoint_to_fp32_state_dict(str(ckpt_dir), str(out))
+    dist.barrier()
+    state = torch.load(out, map_location="cpu", weights_only=True)["state_dict"]
+    model = model_cls(config)
+    model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
+    return model
 
 
 def _ckpt_step(path: Path | None) -> int | None:
