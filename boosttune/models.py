@@ -172,7 +172,8 @@ def default_gguf_path() -> Path:
     )
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
     # ~0.06 s for the 98 MB GGUF when it is in the page cache; the content hash keys the cache so a
     # reinstalled or replaced file can never reuse a stale conversion.
     digest = hashlib.sha256()
@@ -200,7 +201,7 @@ def _build_default(out: Path, gguf: Path) -> None:
 def default_model_dir() -> Path:
     """The cache directory of the default LLM, converting the GGUF first if needed."""
     gguf = default_gguf_path()
-    sha = _sha256(gguf)
+    sha = sha256_file(gguf)
     target = cache_dir() / "models" / f"{DEFAULT_LLM}-{sha[:12]}"
     info = {"source": str(gguf), "gguf_sha256": sha, "transformers": _transformers_version()}
     return build_cached_dir(target, lambda out: _build_default(out, gguf), info=info)

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from boosttune.models import sha256_file  # noqa: F401  (re-exported: export and tests hash with it)
 from boosttune.serving.builders import TreeConfig
 
 MANIFEST = "manifest.json"
@@ -57,15 +58,6 @@ _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
 
 class BundleError(ValueError):
     """A bundle (or the LLM it names) that cannot be served as it is; the message names the file."""
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def llm_files(llm_dir: Path) -> list[str]:

@@ -8,24 +8,16 @@ and a scheduler directory. Everything is fp32 so greedy outputs can be compared 
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
+import pytest
 import torch
+from conftest import perturbed
 
 from boosttune import rundir
 from boosttune.models import TINY_LLM, load_model
 
 TREE = {"kind": "expansion", "widths": [1, 2, 1], "topk": 4, "depth": 6, "budget": 32, "min_prob": 0.0}
-
-
-def _noisy_copy(model, seed: int, noise: float):
-    other = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
-    return other
 
 
 def make_run_dir(root: Path, n_ssms: int = 2, scheduler: bool = True) -> Path:
@@ -34,7 +26,7 @@ def make_run_dir(root: Path, n_ssms: int = 2, scheduler: bool = True) -> Path:
     stages = []
     for k in range(1, n_ssms + 1):
         ssm_dir = root / "ssms" / f"ssm-{k}"
-        ssm = _noisy_copy(llm.model, seed=100 + k, noise=0.02 * k)
+        ssm = perturbed(llm.model, seed=100 + k, noise=0.02 * k)
         ssm.save_pretrained(ssm_dir)
         llm.tokenizer.save_pretrained(ssm_dir)
         profile = {"per_depth": [0.6 / k, 0.4 / k, 0.2 / k], "per_rank": [[0.5, 0.1]]}
@@ -59,3 +51,13 @@ def make_run_dir(root: Path, n_ssms: int = 2, scheduler: bool = True) -> Path:
         "evaluation": {},
     })
     return root
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models gain nothing from two threads, and on a CPU shared with other jobs two OpenMP
+    threads waiting for each other made these tests up to 10x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -8,8 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from bundle_fixtures import TREE, make_run_dir
+from bundle_fixtures import TREE, make_run_dir, one_torch_thread  # noqa: F401 (autouse fixture)
 
 from boosttune import rundir
 from boosttune.cli import main
@@ -22,16 +21,6 @@ from boosttune.serving.bundle import (
     sha256_file,
     verify_bundle,
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models gain nothing from two threads, and on a CPU shared with other jobs two OpenMP
-    threads waiting for each other made these tests up to 10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from bundle_fixtures import make_run_dir
+from bundle_fixtures import make_run_dir, one_torch_thread  # noqa: F401 (autouse fixture)
 from openai import OpenAI
 
 from boosttune.cli import main
@@ -41,16 +40,6 @@ from boosttune.serving.stops import StopCriteria
 MODEL = "tiny-bundle"
 PROMPTS = ["Hello there", "Write a haiku about the sea.", "What is 2+2?", "Name three colours.",
            "Tell me a joke.", "Why is the sky blue?", "Translate 'cat' to French.", "List two primes."]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models gain nothing from two threads, and on a CPU shared with other jobs two OpenMP
-    threads waiting for each other made these tests up to 10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
