@@ -22,11 +22,6 @@ from boosttune.serving.stops import StopCriteria
 from boosttune.sources import TrainPrompt
 
 
-def _ssm_dirs(run: Path, n: int) -> list[Path]:
-    dirs = [run / "ssms" / f"ssm-{k}" for k in range(1, n + 1)]
-    return [d for d in dirs if rundir.is_complete(d)]
-
-
 def eval_prompt_ids(cfg: TrainConfig, tokenizer, held_out: list[TrainPrompt]) -> list[list[int]]:
     if cfg.eval.prompts:
         ids = [encode_prompt(tokenizer, p) for p in read_prompts(cfg.eval.prompts)]
@@ -50,7 +45,7 @@ def tau_of(engine: SpeculativeEngine, prompts: list[list[int]], stop: StopCriter
 
 def evaluate_run(cfg: TrainConfig, run: Path, held_out: list[TrainPrompt]) -> dict:
     """{"prompts": n, "singles": [{ssm, tau, ...}], "ensemble": {...}} for the run's trained SSMs."""
-    dirs = _ssm_dirs(run, cfg.boost.num_ssms)
+    dirs = rundir.ssm_dirs(run)  # the report lists every finished stage before evaluation runs
     dtype = parse_dtype(cfg.llm.eval_dtype)
     llm, ssms = load_llm_and_ssms(cfg.llm.ref, [str(d) for d in dirs], dtype, dtype)
     prompts = eval_prompt_ids(cfg, llm.tokenizer, held_out)

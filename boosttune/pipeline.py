@@ -259,14 +259,7 @@ def build_init(cfg: TrainConfig, run: Path, llm) -> Path:
 
     out = run / "ssm-init"
     if dist.is_main() and not rundir.is_complete(out):
-        model = init_ssm(llm, cfg.ssm)
-        tmp = out.with_name(f".{out.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        llm.tokenizer.save_pretrained(tmp)
-        rundir.mark_complete(tmp, {"init": cfg.ssm.init})
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
+        _publish_model(init_ssm(llm, cfg.ssm), llm.tokenizer, out, {"init": cfg.ssm.init})
     dist.barrier()
     return out
 
@@ -321,14 +314,20 @@ def run_stage(cfg: TrainConfig, run: Path, k: int, init_dir: Path, tokenizer, tr
 
 
 def _save_ssm(model, tokenizer, out: Path, summary: dict) -> None:
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     model = model.to(torch.float32)
     model.config.use_cache = True
+    _publish_model(model, tokenizer, out, {"stage": summary["stage"]}, stats=summary)
+
+
+def _publish_model(model, tokenizer, out: Path, marker: dict, stats: dict | None = None) -> None:
+    """Save model + tokenizer (+ stats.json) in a temporary sibling, mark it complete, rename it to ``out``."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    rundir.atomic_write_json(tmp / "stats.json", summary)
-    rundir.mark_complete(tmp, {"stage": summary["stage"]})
+    if stats is not None:
+        rundir.atomic_write_json(tmp / "stats.json", stats)
+    rundir.mark_complete(tmp, marker)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
 

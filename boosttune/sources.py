@@ -88,7 +88,6 @@ def _open_dataset(src: SourceConfig) -> Iterable[dict]:
 
 
 def _corpus_prompts(src: SourceConfig, tok, cfg: PromptsConfig, rows: Iterable[dict]) -> Iterator[TrainPrompt]:
-    n = 0
     for r, row in enumerate(rows):
         text = row.get(src.text_column)
         if not isinstance(text, str):
@@ -97,7 +96,6 @@ def _corpus_prompts(src: SourceConfig, tok, cfg: PromptsConfig, rows: Iterable[d
         ids = tok(text, add_special_tokens=False)["input_ids"]
         for c, piece in enumerate(_chunks(ids, cfg.chunk_tokens)):
             yield TrainPrompt(id=f"{src.kind}-{r}-{c}", source=src.kind, category="corpus", chat=False, input_ids=piece)
-            n += 1
 
 
 def _chat_prompts(src: SourceConfig, prompts: list[Prompt], tok, chat: bool) -> Iterator[TrainPrompt]:
