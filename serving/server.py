@@ -9,7 +9,8 @@ queue and engine seconds); streams carry it in the chunk that holds the finish r
 One engine worker thread (``server_worker.py``) serves the requests in arrival order; the HTTP
 layer accepts any number concurrently and queues them (``max_queue`` waiting, then 503). A client
 that disconnects cancels its request: a stream's generator is cancelled by Starlette, and a
-non-streamed request polls for the disconnect while it waits. The wire format and the validation
+non-streamed request waits for its events and for the ASGI disconnect message at once (a client that
+leaves before its body is read is counted as cancelled too, and nothing is queued). The wire format and the validation
 of requests are in ``server_protocol.py``, the metrics in ``server_metrics.py``.
 """
 
@@ -31,6 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from boosttune.serving.bundle import LoadedBundle
 from boosttune.serving.engine import GenerationResult, SpeculativeEngine
@@ -75,7 +77,6 @@ class ServerConfig:
         max_body_bytes: larger request bodies are answered 413.
         default_max_tokens: chat answers' length when the request gives no max_tokens (completions
             default to OpenAI's 16); always capped by the room left in the context.
-        disconnect_poll_s: how often a waiting non-streamed request checks that its client is there.
         warmup: generate a few tokens when the server starts, before the first request.
         torch_threads: intra-op threads of the engine (None: torch's default). On a CPU shared
             with other jobs, 1 avoids OpenMP threads waiting for each other (measured here under
@@ -86,7 +87,6 @@ class ServerConfig:
     max_queue: int = 64
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256
-    disconnect_poll_s: float = 0.25
     warmup: bool = True
     torch_threads: int | None = None
     use_scheduler: bool = True
@@ -97,8 +97,6 @@ class ServerConfig:
                 raise ValueError(f"server {name} must be >= 1, got {getattr(self, name)}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"server torch_threads must be >= 1 (or None), got {self.torch_threads}")
-        if not self.disconnect_poll_s > 0:
-            raise ValueError(f"server disconnect_poll_s must be > 0, got {self.disconnect_poll_s}")
         if self.model_name is not None and not self.model_name.strip():
             raise ValueError("server model_name must not be empty (omit it to use the bundle's directory name)")
 
@@ -236,15 +234,13 @@ class _Submission:
         except RuntimeError:  # the loop has closed: the server is shutting down
             self.job.cancel.set()
 
-    async def next(self, request: Request | None = None, poll: float = 0.25) -> Event | None:
-        """The next event; with ``request``, None as soon as its client has disconnected."""
+    async def next(self, gone: asyncio.Future | None = None) -> Event | None:
+        """The next event; None if ``gone`` (the client's disconnect) completes first."""
         if self._getter is None:
             self._getter = asyncio.ensure_future(self.events.get())
-        while request is not None:
-            done, _ = await asyncio.wait({self._getter}, timeout=poll)
-            if done:
-                break
-            if await request.is_disconnected():
+        if gone is not None:
+            await asyncio.wait({self._getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not self._getter.done():
                 return None
         event = await self._getter
         self._getter = None
@@ -265,11 +261,19 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone. The body has been read, so the next ASGI message is
+    ``http.disconnect``; checking only while no tokens arrive would miss it on a busy engine."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _answer(state: _State, req: GenerationRequest, sub: _Submission, request: Request) -> JSONResponse:
     """Wait for the whole generation and answer it in one body."""
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
         while True:
-            event = await sub.next(request, state.config.disconnect_poll_s)
+            event = await sub.next(gone)
             if event is None:  # the client has gone: nobody reads this answer
                 return JSONResponse(APIError(499, "The client closed the request.", None, "cancelled").body(), 499)
             if isinstance(event, CancelledEvent):
@@ -286,6 +290,7 @@ async def _answer(state: _State, req: GenerationRequest, sub: _Submission, reque
                                  usage(len(req.prompt_ids), len(result.tokens)), state.stats(req, result, event.queue_time))
             return JSONResponse(body)
     finally:
+        gone.cancel()
         sub.cancel()
 
 
@@ -371,6 +376,12 @@ def create_app(bundle: LoadedBundle, config: ServerConfig | None = None) -> Fast
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _error_response(APIError(422, f"Invalid request: {exc.errors()}", None, "invalid_type"))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, exc: ClientDisconnect) -> JSONResponse:
+        # The client left before its body was read: nothing was queued, and nobody reads this answer.
+        state.metrics.cancelled.inc()
+        return _error_response(APIError(499, "The client closed the request.", None, "cancelled"))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
