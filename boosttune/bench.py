@@ -21,6 +21,7 @@ from boosttune.models import LoadedModel, eos_token_ids, load_llm_and_ssms, pars
 from boosttune.prompts import Prompt, encode_prompt, read_prompts
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
+from boosttune.serving.draft_vocab import find_ranking, load_ranking
 from boosttune.serving.engine import GenerationResult, SpeculativeEngine
 from boosttune.serving.stops import StopCriteria
 
@@ -42,6 +43,8 @@ class BenchConfig:
         ssm_dtype: dtype of the SSMs (None: ``dtype``). Only the LLM's numerics decide the output,
             so a bf16 SSM under an fp32 LLM stays token-identical to fp32 decoding.
         tree: the tree each SSM drafts.
+        draft_ranking: the token ranking file (or its run directory) for ``tree.draft_vocab`` > 0;
+            None: found next to the first SSM or in its run directory.
         chat: apply the LLM's chat template.
         methods: which of baseline, hf_assisted, ours to run.
     """
@@ -57,6 +60,7 @@ class BenchConfig:
     tree: TreeConfig = field(default_factory=TreeConfig)
     chat: bool = True
     methods: tuple[str, ...] = METHODS
+    draft_ranking: str | None = None
 
     def validate(self) -> None:
         if not self.ssms and ("ours" in self.methods or "hf_assisted" in self.methods):
@@ -73,6 +77,8 @@ class BenchConfig:
         parse_dtype(self.dtype)
         if self.ssm_dtype is not None:
             parse_dtype(self.ssm_dtype)
+        if self.tree.draft_vocab:
+            find_ranking(self.draft_ranking, self.ssms)
 
 
 def _hf_assisted(llm: LoadedModel, ssm: LoadedModel, ids: list[int], stop: StopCriteria) -> GenerationResult:
@@ -113,11 +119,12 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         prompts = prompts[: cfg.limit]
     if not prompts:
         raise ValueError(f"--questions: no prompts found in {cfg.questions}")
+    ranking = load_ranking(find_ranking(cfg.draft_ranking, cfg.ssms)) if cfg.tree.draft_vocab else None
     llm, ssms = load_llm_and_ssms(cfg.llm, cfg.ssms, dtype, parse_dtype(cfg.ssm_dtype or cfg.dtype))
     tok = llm.tokenizer
     eos = eos_token_ids(llm)
     stop = StopCriteria(max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos)
-    engine = SpeculativeEngine.from_models(llm.model, [s.model for s in ssms], cfg.tree)
+    engine = SpeculativeEngine.from_models(llm.model, [s.model for s in ssms], cfg.tree, ranking=ranking)
 
     def runners(stop: StopCriteria) -> dict[str, Callable[[list[int]], GenerationResult]]:
         return {

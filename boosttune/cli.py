@@ -47,6 +47,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, default=TreeConfig().budget, help="dynamic: nodes kept (greedy)")
     p.add_argument("--min-prob", type=float, default=TreeConfig().min_prob,
                    help="stop expanding branches whose cumulative draft probability is below this (0 = never)")
+    p.add_argument("--draft-vocab", type=int, default=TreeConfig().draft_vocab, metavar="K",
+                   help="SSMs draft over the K tokens the LLM writes most: K rows of their LM head instead of "
+                        "all (cheaper drafts, still lossless); 0 = the whole vocabulary")
+    p.add_argument("--draft-ranking", default=None, metavar="PATH",
+                   help="the token ranking for --draft-vocab (draft_vocab.json or its run directory; default: "
+                        "found next to the first --ssm or in its run directory)")
 
 
 def _tree(args: argparse.Namespace, base: TreeConfig | None = None) -> TreeConfig:
@@ -58,7 +64,17 @@ def _tree(args: argparse.Namespace, base: TreeConfig | None = None) -> TreeConfi
         return getattr(base, field) if value is None else value
 
     return TreeConfig(kind=pick("tree", "kind"), widths=pick("widths", "widths"), topk=pick("topk", "topk"),
-                      depth=pick("depth", "depth"), budget=pick("budget", "budget"), min_prob=pick("min_prob", "min_prob"))
+                      depth=pick("depth", "depth"), budget=pick("budget", "budget"), min_prob=pick("min_prob", "min_prob"),
+                      draft_vocab=pick("draft_vocab", "draft_vocab"))
+
+
+def _ranking(args: argparse.Namespace, tree: TreeConfig, ssm_dirs: Sequence[str]) -> torch.Tensor | None:
+    """The draft vocabulary ranking when the tree cuts the vocabulary (found before any model loads)."""
+    if not tree.draft_vocab:
+        return None
+    from boosttune.serving.draft_vocab import find_ranking, load_ranking
+
+    return load_ranking(find_ranking(args.draft_ranking, ssm_dirs))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,7 +98,7 @@ def _build() -> tuple[argparse.ArgumentParser, dict]:
                        usage="boosttune generate [BUNDLE] PROMPT [options]")
     _add_model_args(g)
     # With a bundle, --llm overrides where its LLM is and unset tree flags take the bundle's defaults.
-    g.set_defaults(llm=None, tree=None, widths=None, topk=None, depth=None, budget=None, min_prob=None)
+    g.set_defaults(llm=None, tree=None, widths=None, topk=None, depth=None, budget=None, min_prob=None, draft_vocab=None)
     g.add_argument("bundle", nargs="?", default=None,
                    help="a bundle from `boosttune export` (its LLM, SSMs and tree); omit it to name --llm/--ssm")
     g.add_argument("prompt", help="the prompt (through the chat template unless --no-chat)")
@@ -115,6 +131,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = BenchConfig(
         llm=args.llm, ssms=_ssm_refs(args), questions=args.questions, out=args.out, limit=args.limit,
         max_new_tokens=args.max_new_tokens, dtype=args.dtype, ssm_dtype=args.ssm_dtype, tree=_tree(args), chat=not args.no_chat,
+        draft_ranking=args.draft_ranking,
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
     )
     summary = run_bench(cfg)
@@ -139,14 +156,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise ValueError("--ssm cannot be combined with a bundle: the bundle's SSMs are used")
         bundle = load_bundle(args.bundle, llm=args.llm, dtype=dtype, ssm_dtype=parse_dtype(args.ssm_dtype or args.dtype))
         llm, ssms, tree = bundle.llm, bundle.ssms, _tree(args, bundle.tree)
+        ranking = bundle.ranking if args.draft_ranking is None else _ranking(args, tree, [])
     else:
         args.llm = args.llm or "default"
         tree = _tree(args)
+        ranking = _ranking(args, tree, _ssm_refs(args))
         llm, ssms = load_llm_and_ssms(args.llm, _ssm_refs(args), dtype, parse_dtype(args.ssm_dtype or args.dtype))
     tok = llm.tokenizer
     ids = encode_prompt(tok, args.prompt, chat=not args.no_chat)
     eos = eos_token_ids(llm)
-    engine = SpeculativeEngine.from_models(llm.model, [s.model for s in ssms], tree)
+    engine = SpeculativeEngine.from_models(llm.model, [s.model for s in ssms], tree, ranking=ranking)
     shown: list[int] = []
     printed = ""
 

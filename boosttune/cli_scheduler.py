@@ -57,6 +57,8 @@ def add_commands(subparsers) -> dict:
     )
     p.add_argument("--dtype", default=None, help="LLM dtype (default: the run's)")
     p.add_argument("--ssm-dtype", default=None, help="SSM dtype (default: --dtype)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="K",
+                   help="SSMs draft over the run's K most frequent tokens (cheaper drafts; 0 = whole vocabulary)")
     p.add_argument("--calib-prompts", type=int, default=None, help="prompts used to time the SSMs")
     p.add_argument("--calib-tokens", type=int, default=None, help="tokens per timing run")
     p.add_argument(
@@ -103,6 +105,7 @@ def cmd_train_scheduler(args: argparse.Namespace) -> int:
         widths=args.widths,
         dtype=args.dtype,
         ssm_dtype=args.ssm_dtype,
+        draft_vocab=args.draft_vocab,
         calib_prompts=args.calib_prompts,
         calib_tokens=args.calib_tokens,
         real_policies=args.real_policies,

@@ -15,6 +15,9 @@ def add_commands(sub) -> dict:
     e.add_argument("run_dir", metavar="RUN_DIR", help="a `boosttune train` run directory")
     e.add_argument("--out", required=True, metavar="BUNDLE", help="the bundle directory to create")
     e.add_argument("--force", action="store_true", help="replace --out if it exists")
+    e.add_argument("--draft-vocab", type=int, default=None, metavar="K",
+                   help="SSMs draft over the K tokens the LLM writes most (cheaper drafts; 0: whole vocabulary; "
+                        "default: the run's tree)")
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     s.add_argument("bundle", metavar="BUNDLE", help="a bundle written by `boosttune export`")
@@ -39,13 +42,16 @@ def add_commands(sub) -> dict:
 def cmd_export(args: argparse.Namespace) -> int:
     from boosttune.export import export_bundle
 
-    res = export_bundle(args.run_dir, args.out, force=args.force)
+    if args.draft_vocab is not None and args.draft_vocab < 0:
+        raise ValueError(f"--draft-vocab must be >= 0 (0 = the whole vocabulary), got {args.draft_vocab}")
+    res = export_bundle(args.run_dir, args.out, force=args.force, draft_vocab=args.draft_vocab)
     m = res.manifest
     sched = m["scheduler"]["dir"] if m["scheduler"] else "none"
+    k = m["tree"].get("draft_vocab", 0)
     print(
         f"bundle {res.bundle}: LLM {m['llm']['ref']} (sha256 {m['llm']['sha256'][:12]}), "
         f"SSMs {', '.join(s['name'] for s in m['ssms'])}, scheduler {sched}, "
-        f"{len(m['files'])} files, {res.total_bytes / 1e6:.1f} MB"
+        f"draft vocabulary {k or 'whole'}, {len(m['files'])} files, {res.total_bytes / 1e6:.1f} MB"
     )
     return 0
 

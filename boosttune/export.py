@@ -15,10 +15,11 @@ import os
 import platform
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from boosttune import rundir
+from boosttune.draft_ranking import ensure_draft_ranking, ranking_path
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.bundle import (
     BUNDLE_FORMAT,
@@ -135,13 +136,25 @@ def _file_table(root: Path) -> dict[str, dict]:
     }
 
 
-def export_bundle(run_dir: str | Path, out: str | Path, force: bool = False) -> ExportResult:
+def _draft_ranking(run: Path, llm_dir: Path) -> Path | None:
+    """The run's draft vocabulary ranking (built from its teacher outputs if missing), or None
+    for a run directory without teacher outputs."""
+    if not ranking_path(run).is_file() and not (run / "prompts" / rundir.MARKER).is_file():
+        return None
+    vocab = int(json.loads((llm_dir / "config.json").read_text())["vocab_size"])
+    return ensure_draft_ranking(run, vocab)
+
+
+def export_bundle(
+    run_dir: str | Path, out: str | Path, force: bool = False, draft_vocab: int | None = None
+) -> ExportResult:
     """Write the bundle of a training run.
 
     Args:
         run_dir: a `boosttune train` run directory (report.json and at least one complete SSM).
         out: the bundle directory to create; must not exist (or be empty) unless ``force``.
         force: replace an existing ``out``.
+        draft_vocab: the bundle tree's draft vocabulary size (None: the run's tree's; 0: whole).
     """
     from transformers import AutoTokenizer
 
@@ -157,7 +170,16 @@ def export_bundle(run_dir: str | Path, out: str | Path, force: bool = False) -> 
     if out.resolve() == run.resolve() or run.resolve() in out.resolve().parents:
         raise ValueError(f"--out {out} is inside the run directory; write the bundle elsewhere")
     tree = _tree(report, run)
+    if draft_vocab is not None:
+        try:
+            tree = TreeConfig(**{**asdict(tree), "draft_vocab": int(draft_vocab)})
+        except ValueError as e:
+            raise ValueError(f"--draft-vocab: {e}") from None
     llm_dir = _llm_dir(report, run)
+    ranking = _draft_ranking(run, llm_dir)
+    if tree.draft_vocab and ranking is None:
+        raise ValueError(f"--draft-vocab {tree.draft_vocab}: {run} has no teacher outputs to rank tokens by "
+                         f"(no {ranking_path(run).name}); export with --draft-vocab 0")
     try:
         llm_hash, llm_file_hashes = llm_content_hash(llm_dir)
     except BundleError as e:
@@ -182,6 +204,8 @@ def export_bundle(run_dir: str | Path, out: str | Path, force: bool = False) -> 
                 "stats": f"{rel}/{_STATS}", "acceptance_profile": f"{rel}/{profile}" if profile else None,
                 "report": stage,
             })
+        if ranking is not None:
+            shutil.copyfile(ranking, tmp / ranking.name)
         scheduler = None
         if (run / SCHEDULER_DIR).is_dir():
             files = _copy_scheduler(run / SCHEDULER_DIR, tmp / SCHEDULER_DIR)
@@ -198,8 +222,9 @@ def export_bundle(run_dir: str | Path, out: str | Path, force: bool = False) -> 
             "tokenizer": TOKENIZER_DIR,
             "ssms": ssms,
             "scheduler": scheduler,
+            "draft_vocab": ranking.name if ranking is not None else None,
             "tree": {"kind": tree.kind, "widths": list(tree.widths), "topk": tree.topk, "depth": tree.depth,
-                     "budget": tree.budget, "min_prob": tree.min_prob},
+                     "budget": tree.budget, "min_prob": tree.min_prob, "draft_vocab": tree.draft_vocab},
             "files": _file_table(tmp),
         }
         rundir.atomic_write_json(tmp / MANIFEST, manifest)  # last: a bundle without it is refused

@@ -26,9 +26,10 @@ import torch
 from boosttune import dist, rundir
 from boosttune.config import ConfigError, TrainConfig, dump_yaml, load_config, to_dict
 from boosttune.distill import samples_from_teacher
+from boosttune.draft_ranking import ensure_draft_ranking
 from boosttune.faults import crash_point
 from boosttune.matching import is_match, summarize_agreement, teacher_forced_agreement
-from boosttune.models import eos_token_ids, load_model, parse_dtype, resolve_model_path
+from boosttune.models import eos_token_ids, load_model, model_vocab_size, parse_dtype, resolve_model_path
 from boosttune.sources import TrainPrompt, collect_prompts, default_seeds
 from boosttune.teacher import load_teacher, run_teacher
 
@@ -380,6 +381,8 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
     dist.barrier()
     ds = load_teacher(run / "teacher", len(prompts), cfg.teacher.shard_size)
     teacher = teacher_summary(run, ds)
+    if dist.is_main():
+        ensure_draft_ranking(run, model_vocab_size(llm.model), ds)
     n_train = prompts_info["train"]
     train_samples = samples_from_teacher(ds, range(n_train))
     held_samples = samples_from_teacher(ds, range(n_train, len(prompts)))

@@ -9,6 +9,8 @@ Layout (everything a run makes; resuming trusts only what is complete)::
       stages/stage-K/        work dir of boost-tuning stage K (checkpoints, logs, match flags)
       ssms/ssm-K/            trained SSM K: HF save_pretrained (config.json, model.safetensors,
                              tokenizer files) + stats.json; complete.json written last
+      draft_vocab.json       the LLM's tokens ranked by frequency in the teacher's training outputs
+                             (serving/draft_vocab.py), for SSMs drafting over a cut vocabulary
       report.json            run report: llm, tree, teacher, one entry per stage, evaluation
       scheduler/             learned scheduler (issue 4) + scheduler_report.json/.png
 

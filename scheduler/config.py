@@ -35,6 +35,8 @@ class SchedulerConfig:
             else SpecInfer's 1,1,3,1,1,1,1,1); needs at least ``max(depths)`` entries.
         dtype: LLM dtype (None: the run's, from report.json).
         ssm_dtype: SSM dtype (None: ``dtype``).
+        draft_vocab: SSMs draft over the run's K most frequent tokens (``TreeConfig.draft_vocab``;
+            cheaper drafts); 0 = the whole vocabulary. Labels, costs and served trees all use it.
         ngram_buckets: size of the hashed token n-gram feature block.
         pca_components: most principal components of the standardized features fed to the
             ridge regression; 1, 2, 4, ... up to it are tried by 5-fold cross-validation.
@@ -63,6 +65,7 @@ class SchedulerConfig:
     widths: tuple[int, ...] | None = None
     dtype: str | None = None
     ssm_dtype: str | None = None
+    draft_vocab: int = 0
     ngram_buckets: int = 64
     pca_components: int = 8
     ridge_alphas: tuple[float, ...] = (0.1, 1.0, 10.0, 100.0, 1000.0)
@@ -81,6 +84,7 @@ class SchedulerConfig:
         _check(
             0.0 < self.train_fraction < 1.0, "train_fraction", f"must be in (0, 1), got {self.train_fraction}"
         )
+        _check(self.draft_vocab >= 0, "draft_vocab", f"must be >= 0 (0 = the whole vocabulary), got {self.draft_vocab}")
         _check(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         _check(
             bool(self.depths) and min(self.depths) >= 1, "depths", f"must be positive ints, got {self.depths}"

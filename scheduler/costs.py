@@ -169,6 +169,7 @@ def calibrate(
     depths: Sequence[int],
     tokens: int,
     merged_runs: Sequence[tuple[GenerationResult, int]] = (),
+    draft_vocab: int = 0,
 ) -> CostModel:
     """Time every (SSM, depth) alone and plain decoding on ``prompts`` with the engine.
 
@@ -189,7 +190,7 @@ def calibrate(
         res = engine.generate(ids, stop, active=[], record=True)
         samples.add_run(res, len(ids), None)
         for k in depths:
-            tree = TreeConfig(widths=tuple(widths[:k]))
+            tree = TreeConfig(widths=tuple(widths[:k]), draft_vocab=draft_vocab)
             for j in range(n):
                 res = engine.generate(ids, stop, active=[j], tree=tree, record=True)
                 samples.add_run(res, len(ids), k)

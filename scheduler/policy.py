@@ -140,6 +140,7 @@ class Scheduler:
         fallback: the best fixed candidate on the training requests.
         meta: where it came from (LLM, SSM directories, label depth, ...), for reports.
         margin: relative predicted speed-up needed to leave the fallback candidate.
+        draft_vocab: the draft vocabulary size of the chosen trees (0: whole; costs were measured so).
     """
 
     spec: FeatureSpec
@@ -151,6 +152,7 @@ class Scheduler:
     fallback: Candidate
     meta: dict = field(default_factory=dict)
     margin: float = 0.0
+    draft_vocab: int = 0
 
     def __post_init__(self) -> None:
         n, d = self.costs.n_ssms, self.label_depth
@@ -185,7 +187,7 @@ class Scheduler:
         return candidate_table(self.costs)
 
     def tree(self, depth: int) -> TreeConfig | None:
-        return TreeConfig(widths=self.widths[:depth]) if depth else None
+        return TreeConfig(widths=self.widths[:depth], draft_vocab=self.draft_vocab) if depth else None
 
     def survival(self, features: RequestFeatures) -> np.ndarray:
         """(M, D) predicted survival, projected onto valid curves."""
@@ -269,6 +271,7 @@ class Scheduler:
             "fallback": {"mask": self.fallback.mask, "depth": self.fallback.depth},
             "meta": self.meta,
             "margin": self.margin,
+            "draft_vocab": self.draft_vocab,
         }
 
     @classmethod
@@ -283,6 +286,7 @@ class Scheduler:
             fallback=Candidate(int(body["fallback"]["mask"]), int(body["fallback"]["depth"])),
             meta=dict(body.get("meta", {})),
             margin=float(body["margin"]),
+            draft_vocab=int(body.get("draft_vocab", 0)),  # absent in files written before it existed
         )
 
     def save(self, path: str | Path) -> None:

@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from boosttune.models import eos_token_ids, load_llm_and_ssms
+from boosttune.draft_ranking import ensure_draft_ranking
+from boosttune.models import eos_token_ids, load_llm_and_ssms, model_vocab_size
 from boosttune.prompts import encode_prompt, read_prompts
 from boosttune.rundir import (
     MARKER,
@@ -47,6 +48,7 @@ from boosttune.scheduler.plot import plot_tokens_per_s
 from boosttune.scheduler.policy import Scheduler
 from boosttune.scheduler.subsets import union_survival
 from boosttune.serving.builders import TreeConfig
+from boosttune.serving.draft_vocab import load_ranking
 from boosttune.serving.engine import SpeculativeEngine
 from boosttune.serving.stops import StopCriteria
 
@@ -129,8 +131,11 @@ def _setup(run: Path, cfg: SchedulerConfig) -> _Setup:
     dtype = cfg.dtype or report["llm"].get("dtype") or "fp32"
     ssm_dtype = cfg.ssm_dtype or dtype
     llm, ssms = load_llm_and_ssms(report["llm"]["ref"], [str(p) for p in ssm_paths], dtype, ssm_dtype)
-    label_tree = TreeConfig(widths=widths[: cfg.label_depth])
-    engine = SpeculativeEngine.from_models(llm.model, [s.model for s in ssms], label_tree)
+    ranking = None
+    if cfg.draft_vocab:
+        ranking = load_ranking(ensure_draft_ranking(run, model_vocab_size(llm.model)))
+    label_tree = TreeConfig(widths=widths[: cfg.label_depth], draft_vocab=cfg.draft_vocab)
+    engine = SpeculativeEngine.from_models(llm.model, [s.model for s in ssms], label_tree, ranking=ranking)
     hidden = int(llm.model.get_output_embeddings().weight.shape[1])
     encoded = [(p.id, encode_prompt(llm.tokenizer, p, chat=cfg.chat)) for p in train_prompts + eval_prompts]
     eos = eos_token_ids(llm)
@@ -141,7 +146,8 @@ def _setup(run: Path, cfg: SchedulerConfig) -> _Setup:
         names=names,
         spec=FeatureSpec(hidden_size=hidden, ngram_buckets=cfg.ngram_buckets),
         widths=widths,
-        meta={"llm": report["llm"]["ref"], "dtype": dtype, "ssm_dtype": ssm_dtype, "ssms": names},
+        meta={"llm": report["llm"]["ref"], "dtype": dtype, "ssm_dtype": ssm_dtype, "ssms": names,
+              "draft_vocab": cfg.draft_vocab},
         train_req=encoded[: len(train_prompts)],
         eval_req=encoded[len(train_prompts) :],
         stop=StopCriteria(max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos),
@@ -195,6 +201,7 @@ def train_scheduler(
             cfg.depths,
             cfg.calib_tokens,
             merged_runs=merged,
+            draft_vocab=cfg.draft_vocab,
         )
     with _timed(clock, "fit_s"):
         scheduler = fit_scheduler(train_rec, costs, st.spec, st.widths, cfg)
@@ -243,6 +250,7 @@ def fit_scheduler(
         fallback=best_fixed(train, costs),
         meta={"label_depth": depth, "train_requests": len(train)},
         margin=cfg.margin,
+        draft_vocab=cfg.draft_vocab,
     )
 
 
@@ -285,6 +293,7 @@ def build_report(run, cfg, scheduler, fixed, replayed, real, choices, train_rec,
             "ref": scheduler.meta.get("llm"),
             "dtype": scheduler.meta.get("dtype"),
             "ssm_dtype": scheduler.meta.get("ssm_dtype"),
+            "draft_vocab": scheduler.draft_vocab,
         },
         "ssms": scheduler.meta.get("ssms"),
         "widths": list(scheduler.widths),

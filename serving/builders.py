@@ -40,6 +40,9 @@ class TreeConfig:
             its path) is below this; 0 expands every node the policy allows. Saves SSM forwards
             on branches the LLM is unlikely to accept. Deciding *whether to expand* from drafted
             values keeps stochastic verification exact (see verify_stochastic).
+        draft_vocab: SSMs compute logits over the first K tokens of the draft ranking only
+            (``draft_vocab.py``; K rows of the LM head instead of V); 0 keeps the whole vocabulary.
+            Tokens outside it get q = 0, which verification handles exactly.
     """
 
     kind: str = "expansion"
@@ -48,6 +51,7 @@ class TreeConfig:
     depth: int = 6
     budget: int = 32
     min_prob: float = 0.0
+    draft_vocab: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in TREE_POLICIES:
@@ -57,6 +61,8 @@ class TreeConfig:
             raise ValueError(f"tree widths must be a non-empty list of positive ints, got {self.widths}")
         if not 0.0 <= self.min_prob < 1.0:
             raise ValueError(f"tree min_prob must be in [0, 1), got {self.min_prob}")
+        if self.draft_vocab < 0:
+            raise ValueError(f"tree draft_vocab must be >= 0 (0 = the whole vocabulary), got {self.draft_vocab}")
         for name in ("topk", "depth", "budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"tree {name} must be >= 1, got {getattr(self, name)}")

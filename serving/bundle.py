@@ -7,6 +7,7 @@ A bundle is written by ``boosttune export`` (``boosttune/export.py``) from a tra
       tokenizer/                    the LLM's tokenizer, once for every model
       ssms/ssm-K/                   config.json, model*.safetensors, stats.json, acceptance_profile.json
       scheduler/                    the run's learned scheduler, copied file for file (optional)
+      draft_vocab.json              the draft vocabulary ranking (serving/draft_vocab.py; optional)
 
 ``manifest.json`` (format 1)::
 
@@ -17,6 +18,7 @@ A bundle is written by ``boosttune export`` (``boosttune/export.py``) from a tra
      "ssms": [{"name": "ssm-K", "stage": K, "dir": "ssms/ssm-K", "config": path, "weights": [path],
                "stats": path, "acceptance_profile": path | null, "report": {the run's stage entry}}],
      "scheduler": {"dir": "scheduler", "files": [path]} | null,
+     "draft_vocab": "draft_vocab.json" | null,   (absent in older bundles: null)
      "tree": {TreeConfig fields},
      "files": {path: {"sha256": str, "size": int}}}
 
@@ -159,6 +161,7 @@ class Manifest:
     scheduler_files: list[str]
     tree: TreeConfig
     files: dict[str, FileEntry]
+    draft_vocab: str | None = None
 
 
 def _where(path: str) -> str:
@@ -241,12 +244,17 @@ def parse_manifest(data: Any) -> Manifest:
         tree = TreeConfig(**tree_raw)
     except (TypeError, ValueError) as e:
         raise BundleError(f"{_where('tree')} is not a valid tree configuration: {e}") from None
+    draft_vocab = _field(data, "draft_vocab", str, "", optional=True)
+    draft_vocab = _rel_path(draft_vocab, "draft_vocab") if draft_vocab is not None else None
+    if tree.draft_vocab and draft_vocab is None:
+        raise BundleError(f"{_where('tree.draft_vocab')} is {tree.draft_vocab} but the bundle has no draft_vocab "
+                          "ranking; re-export it")
     versions = _field(data, "versions", dict, "", optional=True) or {}
     return Manifest(
         format=fmt, created=str(data.get("created", "")), source_run=str(data.get("source_run", "")),
         versions={str(k): str(v) for k, v in versions.items()}, llm=llm,
         tokenizer=_rel_path(_field(data, "tokenizer", str, ""), "tokenizer"), ssms=ssms,
-        scheduler_dir=sched_dir, scheduler_files=sched_files, tree=tree, files=files,
+        scheduler_dir=sched_dir, scheduler_files=sched_files, tree=tree, files=files, draft_vocab=draft_vocab,
     )
 
 
@@ -297,6 +305,8 @@ def verify_files(root: Path, manifest: Manifest) -> None:
         if s.acceptance_profile:
             referenced.append((s.acceptance_profile, f"{s.name} acceptance profile"))
     referenced += [(f, "scheduler") for f in manifest.scheduler_files]
+    if manifest.draft_vocab is not None:
+        referenced.append((manifest.draft_vocab, "draft vocabulary ranking"))
     for rel, what in referenced:
         if rel == manifest.tokenizer:
             if not any(f.startswith(rel + "/") for f in listed):
@@ -415,6 +425,7 @@ class LoadedBundle:
         ssms: the SSMs in stage order, sharing that tokenizer.
         tree: the tree each SSM drafts by default.
         scheduler_dir: the bundle's scheduler directory (files verified, not read) or None.
+        ranking: the draft vocabulary ranking (V,) or None when the bundle has none.
         acceptance_profiles: each SSM's acceptance profile (None where training wrote none).
     """
 
@@ -425,6 +436,7 @@ class LoadedBundle:
     tree: TreeConfig
     scheduler_dir: Path | None
     acceptance_profiles: list[dict | None] = field(default_factory=list)
+    ranking: torch.Tensor | None = None
 
     @property
     def ssm_names(self) -> list[str]:
@@ -482,10 +494,18 @@ def load_bundle(
     profiles = [
         _read_json(root / s.acceptance_profile) if s.acceptance_profile else None for s in manifest.ssms
     ]
+    ranking = None
+    if manifest.draft_vocab is not None:
+        from boosttune.serving.draft_vocab import load_ranking
+
+        try:
+            ranking = load_ranking(root / manifest.draft_vocab)
+        except ValueError as e:
+            raise BundleError(f"bundle file {manifest.draft_vocab}: {e}; re-export the bundle") from None
     return LoadedBundle(
         root=root, manifest=manifest, llm=loaded_llm, ssms=ssms, tree=manifest.tree,
         scheduler_dir=root / manifest.scheduler_dir if manifest.scheduler_dir else None,
-        acceptance_profiles=profiles,
+        acceptance_profiles=profiles, ranking=ranking,
     )
 
 

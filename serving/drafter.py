@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from boosttune.serving.builders import TreeConfig, choose_children, rerank_keep, select_frontier, subtree
+from boosttune.serving.draft_vocab import head_ids
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams, logits_to_probs
 from boosttune.serving.tree import TokenTree, ancestor_mask
@@ -42,10 +43,16 @@ class Drafter(Protocol):
 class SSMDrafter:
     """A small causal LM that drafts a tree depth by depth (one forward per depth)."""
 
-    def __init__(self, runner: ModelRunner, tree: TreeConfig, index: int = 0, vocab_size: int | None = None):
+    def __init__(
+        self, runner: ModelRunner, tree: TreeConfig, index: int = 0, vocab_size: int | None = None,
+        ranking: Tensor | None = None,
+    ):
         """``vocab_size``: the LLM's logit width V; an SSM with embedding rows padded differently
-        has its logits cut or padded (with -inf, q = 0) to V so p and q share one support."""
+        has its logits cut or padded (with -inf, q = 0) to V so p and q share one support.
+        ``ranking``: the draft vocabulary ranking, used when the tree has ``draft_vocab`` > 0."""
         self.runner = runner
+        self.ranking = ranking
+        self._head_k = 0  # draft vocabulary size the runner's head is cut to (0: whole)
         self.tree_config = tree
         self.index = index
         self.vocab_size = vocab_size
@@ -56,6 +63,18 @@ class SSMDrafter:
     def reset(self) -> None:
         self.runner.reset()
         self._synced = 0
+
+    def _sync_head(self) -> None:
+        """Cut the runner's LM head to the tree's draft vocabulary (on a change of tree only)."""
+        k = self.tree_config.draft_vocab
+        if k == self._head_k:
+            return
+        if k and self.ranking is None:
+            raise ValueError(f"tree draft_vocab={k} needs the draft vocabulary ranking (draft_vocab.json); "
+                             "none was given to this SSM drafter")
+        rows = self.runner.model.get_output_embeddings().weight.shape[0]
+        self.runner.restrict_head(head_ids(self.ranking, k, rows) if k else None)
+        self._head_k = k
 
     def _catch_up(self, committed: Tensor) -> Tensor:
         """Feed the committed tokens the cache lacks; returns (V,) logits after the last one."""
@@ -80,6 +99,7 @@ class SSMDrafter:
         greedy = sampling.greedy
         t = committed.shape[0]
         self._committed_len = t
+        self._sync_head()
         q_root = logits_to_probs(self._catch_up(committed).unsqueeze(0), sampling)  # (1, V)
 
         tokens, parents, q_prob, dist_row = [], [], [], []

@@ -113,10 +113,14 @@ class SpeculativeEngine:
         self.drafters = list(drafters)
 
     @classmethod
-    def from_models(cls, llm: PreTrainedModel, ssms: Sequence[PreTrainedModel], tree: TreeConfig) -> SpeculativeEngine:
-        """An engine whose SSMs all draft the same tree shape."""
+    def from_models(
+        cls, llm: PreTrainedModel, ssms: Sequence[PreTrainedModel], tree: TreeConfig, ranking: Tensor | None = None
+    ) -> SpeculativeEngine:
+        """An engine whose SSMs all draft the same tree shape; ``ranking``: the draft vocabulary
+        ranking (``draft_vocab.py``), needed by trees with ``draft_vocab`` > 0."""
         v = llm.get_output_embeddings().weight.shape[0]
-        return cls(ModelRunner(llm), [SSMDrafter(ModelRunner(m), tree, i, vocab_size=v) for i, m in enumerate(ssms)])
+        drafters = [SSMDrafter(ModelRunner(m), tree, i, vocab_size=v, ranking=ranking) for i, m in enumerate(ssms)]
+        return cls(ModelRunner(llm), drafters)
 
     def _draft(
         self, committed: Tensor, sampling: SamplingParams, gen: torch.Generator,

@@ -133,7 +133,8 @@ class _State:
             name=self.model_name, context_length=bundle.context_length,
             vocab_size=model_vocab_size(bundle.llm.model), default_max_tokens=config.default_max_tokens,
         )
-        engine = SpeculativeEngine.from_models(bundle.llm.model, [s.model for s in bundle.ssms], bundle.tree)
+        engine = SpeculativeEngine.from_models(bundle.llm.model, [s.model for s in bundle.ssms], bundle.tree,
+                                               ranking=bundle.ranking)
         self.scheduler = load_scheduler(bundle) if config.use_scheduler else None
         self.worker = EngineWorker(engine, config.max_queue, on_finished=self._on_finished,
                                    threads=config.torch_threads, scheduler=self.scheduler)

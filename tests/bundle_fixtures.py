@@ -15,14 +15,30 @@ import torch
 from conftest import perturbed
 
 from boosttune import rundir
-from boosttune.models import TINY_LLM, load_model
+from boosttune.models import TINY_LLM, load_model, model_vocab_size
+from boosttune.serving.decode import incremental_generate
+from boosttune.serving.draft_vocab import rank_tokens, save_ranking
+from boosttune.serving.stops import StopCriteria
 
-TREE = {"kind": "expansion", "widths": [1, 2, 1], "topk": 4, "depth": 6, "budget": 32, "min_prob": 0.0}
+TREE = {"kind": "expansion", "widths": [1, 2, 1], "topk": 4, "depth": 6, "budget": 32, "min_prob": 0.0,
+        "draft_vocab": 0}
 
 
-def make_run_dir(root: Path, n_ssms: int = 2, scheduler: bool = True) -> Path:
-    """Write a run directory with ``n_ssms`` complete SSMs under ``root``; returns ``root``."""
+def write_ranking(root: Path, llm) -> None:
+    """RUN_DIR/draft_vocab.json counted over the LLM's greedy continuations of three prompts."""
+    root.mkdir(parents=True, exist_ok=True)
+    outs = [incremental_generate(llm.model, llm.tokenizer(p)["input_ids"], StopCriteria(max_new_tokens=24)).tokens
+            for p in ("Hello there", "Write a poem", "What is 2 + 2?")]
+    ranked, counts = rank_tokens(outs, model_vocab_size(llm.model))
+    save_ranking(root / "draft_vocab.json", ranked, counts)
+
+
+def make_run_dir(root: Path, n_ssms: int = 2, scheduler: bool = True, ranking: bool = True) -> Path:
+    """Write a run directory with ``n_ssms`` complete SSMs under ``root``; returns ``root``.
+    With ``ranking``, the draft vocabulary ranking counted over the LLM's greedy continuations."""
     llm = load_model(TINY_LLM)
+    if ranking:
+        write_ranking(root, llm)
     stages = []
     for k in range(1, n_ssms + 1):
         ssm_dir = root / "ssms" / f"ssm-{k}"

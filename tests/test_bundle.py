@@ -223,3 +223,36 @@ def test_cli_serve_refuses_a_damaged_bundle_before_listening(copy, capsys):
     assert "ssms/ssm-2/model.safetensors" in capsys.readouterr().err
     assert main(["serve", str(copy), "--port", "70000"]) == 2
     assert "--port" in capsys.readouterr().err
+
+
+def test_bundle_with_a_draft_vocabulary_decodes_losslessly(run_dir, tmp_path):
+    from boosttune.serving.decode import incremental_generate
+    from boosttune.serving.draft_vocab import load_ranking
+    from boosttune.serving.engine import SpeculativeEngine
+    from boosttune.serving.stops import StopCriteria
+
+    out = export_bundle(run_dir, tmp_path / "cut", draft_vocab=12).bundle
+    m = _manifest(out)
+    assert m["tree"]["draft_vocab"] == 12 and m["draft_vocab"] == "draft_vocab.json"
+    assert m["files"]["draft_vocab.json"]["sha256"] == sha256_file(run_dir / "draft_vocab.json")
+    b = load_bundle(out)
+    assert b.tree.draft_vocab == 12
+    assert b.ranking.tolist() == load_ranking(run_dir / "draft_vocab.json").tolist()
+    engine = SpeculativeEngine.from_models(b.llm.model, [s.model for s in b.ssms], b.tree, ranking=b.ranking)
+    ids = b.llm.tokenizer("Tell me a story")["input_ids"]
+    stop = StopCriteria(max_new_tokens=20)
+    res = engine.generate(ids, stop)
+    assert res.tokens == incremental_generate(b.llm.model, ids, stop).tokens
+    assert [d.runner.head_ids.numel() for d in engine.drafters] == [12, 12]
+    # A manifest asking for a draft vocabulary without shipping the ranking is refused.
+    del m["draft_vocab"]
+    _write_manifest(out, m)
+    with pytest.raises(BundleError, match="tree.draft_vocab"):
+        verify_bundle(out)
+
+
+def test_export_of_a_draft_vocabulary_needs_the_run_ranking(tmp_path):
+    bare = make_run_dir(tmp_path / "bare-run", n_ssms=1, scheduler=False, ranking=False)
+    with pytest.raises(ValueError, match="--draft-vocab 8"):
+        export_bundle(bare, tmp_path / "b", draft_vocab=8)
+    assert _manifest(export_bundle(bare, tmp_path / "b").bundle)["draft_vocab"] is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from bundle_fixtures import write_ranking
 from conftest import MT_BENCH, perturbed
 
 from boosttune.cli import main
@@ -37,6 +38,7 @@ def run_dir(tmp_path_factory):
             "stages": stages,
         },
     )
+    write_ranking(run, llm)
     return run
 
 
@@ -59,6 +61,8 @@ def test_train_scheduler_writes_scheduler_and_report(run_dir, capsys):
             "4",
             "--real-policies",
             "learned,all,none",
+            "--draft-vocab",
+            "40",
         ]
     )
     assert rc == 0
@@ -90,6 +94,7 @@ def test_train_scheduler_writes_scheduler_and_report(run_dir, capsys):
 
     scheduler = Scheduler.load(run_dir / "scheduler" / "scheduler.json")
     assert scheduler.n_ssms == 2 and scheduler.costs.depths == (1, 2) and scheduler.widths == (1, 2)
+    assert scheduler.draft_vocab == 40 and scheduler.tree(2).draft_vocab == 40 and report["llm"]["draft_vocab"] == 40
     assert sorted(p.name for p in (run_dir / "scheduler").iterdir()) == ["complete.json", "scheduler.json"]
     line = (run_dir / "scheduler_labels.jsonl").read_text().splitlines()[0]
     record = RequestRecord.from_json(json.loads(line), n_ssms=2)
@@ -135,4 +140,5 @@ def test_server_uses_the_exported_scheduler_and_stays_lossless(run_dir, tmp_path
     ids = encode_prompt(tok, "Name three colours.", chat=False)
     plain = incremental_generate(bundle.llm.model, ids, StopCriteria(max_new_tokens=10, eos_token_ids=eos_token_ids(bundle.llm)))
     assert stats["token_ids"] == plain.tokens
+    assert bundle.ranking is not None and app.state.boosttune.scheduler.draft_vocab == 40
     assert set(stats["ssms"]) <= {"ssm-1", "ssm-2"}  # what the scheduler chose (possibly none)
