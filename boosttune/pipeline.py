@@ -181,7 +181,9 @@ def build_prompts(cfg: TrainConfig, run: Path, llm) -> dict:
 
 
 def read_prompts_file(run: Path) -> list[TrainPrompt]:
-    return [TrainPrompt.from_json(x) for x in (run / "prompts" / "prompts.jsonl").read_text().splitlines() if x]
+    # split on "\n" only: str.splitlines also splits at U+2028, U+0085 ..., which JSON strings may hold
+    text = (run / "prompts" / "prompts.jsonl").read_text(encoding="utf-8")
+    return [TrainPrompt.from_json(x) for x in text.split("\n") if x.strip()]
 
 
 # ------------------------------------------------------------------------------------------ teacher

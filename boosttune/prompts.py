@@ -39,7 +39,9 @@ def read_prompts(path: str | Path) -> list[Prompt]:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"prompt file not found: {p}")
-    lines = p.read_text(encoding="utf-8").splitlines()
+    # JSON Lines end at "\n" only; str.splitlines would also split inside strings that hold U+2028,
+    # U+0085 and other Unicode line breaks (ShareGPT prompts do).
+    lines = p.read_text(encoding="utf-8").split("\n")
     if p.suffix in (".jsonl", ".json"):
         out = []
         for i, line in enumerate(lines, start=1):

@@ -49,7 +49,7 @@ def default_seeds() -> list[Prompt]:
     """The embedded seed requests shipped with the package."""
     text = resources.files("boosttune.data").joinpath("prompts/seeds.jsonl").read_text(encoding="utf-8")
     out = []
-    for i, line in enumerate(text.splitlines(), start=1):
+    for i, line in enumerate(text.split("\n"), start=1):
         if line.strip():
             rec = json.loads(line)
             out.append(Prompt(text=rec["prompt"], id=f"seed-{i}", category=rec["category"]))

@@ -74,6 +74,10 @@ def test_report_has_one_entry_per_stage(tiny_run: Path) -> None:
     assert report["teacher"]["samples"] == 60 and report["teacher"]["tokens"] > 0
     assert (tiny_run / "config.yaml").is_file()
     assert (tiny_run / "stages" / "stage-1" / "logs" / "version_0" / "metrics.csv").is_file()
+    # The draft vocabulary ranking counts the teacher's tokens on the training prompts only.
+    ranking = json.loads((tiny_run / "draft_vocab.json").read_text())
+    assert ranking["vocab_size"] == len(ranking["ranking"]) == len(set(ranking["ranking"]))
+    assert report["prompts"]["held_out"] > 0 and 0 < ranking["tokens_counted"] < report["teacher"]["tokens"]
 
 
 def test_rerun_of_a_finished_run_redoes_nothing(tiny_run: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -75,6 +76,24 @@ def test_jsonl_chat_prompts_and_dedup(tok) -> None:
                                  SourceConfig(kind="jsonl", path=str(MT_BENCH), limit=5)])
     ps = collect_prompts(cfg, tok)
     assert len(ps) == 5 and all(p.chat for p in ps)
+
+
+def test_jsonl_strings_may_hold_unicode_line_breaks(tmp_path) -> None:
+    """U+2028, U+0085 and form feeds are line breaks to str.splitlines but not to JSON Lines
+    (ShareGPT prompts contain them): both prompt readers keep such a record whole."""
+    from boosttune.pipeline import read_prompts_file
+    from boosttune.prompts import read_prompts
+    from boosttune.sources import TrainPrompt
+
+    texts = ["first\u2028second", "a\x85b\x0cc", "plain"]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
+    assert [p.text for p in read_prompts(path)] == texts
+    run = tmp_path / "run"
+    (run / "prompts").mkdir(parents=True)
+    saved = [TrainPrompt(id=str(i), source="jsonl", category="", chat=True, input_ids=[1, 2], text=t) for i, t in enumerate(texts)]
+    (run / "prompts" / "prompts.jsonl").write_text("".join(p.to_json() + "\n" for p in saved), encoding="utf-8")
+    assert read_prompts_file(run) == saved
 
 
 # ----------------------------------------------------------------------------------------- matching
