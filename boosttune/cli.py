@@ -157,6 +157,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         bundle = load_bundle(args.bundle, llm=args.llm, dtype=dtype, ssm_dtype=parse_dtype(args.ssm_dtype or args.dtype))
         llm, ssms, tree = bundle.llm, bundle.ssms, _tree(args, bundle.tree)
         ranking = bundle.ranking if args.draft_ranking is None else _ranking(args, tree, [])
+        if tree.draft_vocab and ranking is None:
+            raise ValueError(f"--draft-vocab {tree.draft_vocab}: this bundle has no token ranking; pass --draft-ranking "
+                             "RUN_DIR (its training run) or re-export it")
     else:
         args.llm = args.llm or "default"
         tree = _tree(args)

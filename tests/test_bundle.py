@@ -215,6 +215,11 @@ def test_cli_export_then_generate_from_the_bundle(run_dir, tmp_path, capsys):
     assert main(["generate", str(out), "Hello there"]) == 2
     assert "ssms/ssm-1/model.safetensors" in capsys.readouterr().err
     assert main(["generate", str(out), "Hello", "--ssm", "x"]) == 2
+    bare = make_run_dir(tmp_path / "bare-run", n_ssms=1, scheduler=False, ranking=False)
+    assert main(["export", str(bare), "--out", str(tmp_path / "bare-bundle")]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "bare-bundle"), "Hello", "--draft-vocab", "8"]) == 2
+    assert "no token ranking" in capsys.readouterr().err
 
 
 def test_cli_serve_refuses_a_damaged_bundle_before_listening(copy, capsys):
