@@ -21,7 +21,7 @@ from boosttune.models import LoadedModel, eos_token_ids, load_llm_and_ssms, pars
 from boosttune.prompts import Prompt, encode_prompt, read_prompts
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
-from boosttune.serving.draft_vocab import find_ranking, load_ranking
+from boosttune.serving.draft_vocab import find_ranking, ranking_for
 from boosttune.serving.engine import GenerationResult, SpeculativeEngine
 from boosttune.serving.stops import StopCriteria
 
@@ -119,7 +119,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         prompts = prompts[: cfg.limit]
     if not prompts:
         raise ValueError(f"--questions: no prompts found in {cfg.questions}")
-    ranking = load_ranking(find_ranking(cfg.draft_ranking, cfg.ssms)) if cfg.tree.draft_vocab else None
+    ranking = ranking_for(cfg.tree.draft_vocab, cfg.draft_ranking, cfg.ssms)
     llm, ssms = load_llm_and_ssms(cfg.llm, cfg.ssms, dtype, parse_dtype(cfg.ssm_dtype or cfg.dtype))
     tok = llm.tokenizer
     eos = eos_token_ids(llm)

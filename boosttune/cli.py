@@ -68,15 +68,6 @@ def _tree(args: argparse.Namespace, base: TreeConfig | None = None) -> TreeConfi
                       draft_vocab=pick("draft_vocab", "draft_vocab"))
 
 
-def _ranking(args: argparse.Namespace, tree: TreeConfig, ssm_dirs: Sequence[str]) -> torch.Tensor | None:
-    """The draft vocabulary ranking when the tree cuts the vocabulary (found before any model loads)."""
-    if not tree.draft_vocab:
-        return None
-    from boosttune.serving.draft_vocab import find_ranking, load_ranking
-
-    return load_ranking(find_ranking(args.draft_ranking, ssm_dirs))
-
-
 def build_parser() -> argparse.ArgumentParser:
     return _build()[0]
 
@@ -143,6 +134,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from boosttune.models import eos_token_ids, load_llm_and_ssms, parse_dtype
     from boosttune.prompts import encode_prompt
+    from boosttune.serving.draft_vocab import ranking_for
     from boosttune.serving.engine import SpeculativeEngine
     from boosttune.serving.sampling import SamplingParams
     from boosttune.serving.stops import StopCriteria
@@ -156,14 +148,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise ValueError("--ssm cannot be combined with a bundle: the bundle's SSMs are used")
         bundle = load_bundle(args.bundle, llm=args.llm, dtype=dtype, ssm_dtype=parse_dtype(args.ssm_dtype or args.dtype))
         llm, ssms, tree = bundle.llm, bundle.ssms, _tree(args, bundle.tree)
-        ranking = bundle.ranking if args.draft_ranking is None else _ranking(args, tree, [])
+        ranking = bundle.ranking if args.draft_ranking is None else ranking_for(tree.draft_vocab, args.draft_ranking, [])
         if tree.draft_vocab and ranking is None:
             raise ValueError(f"--draft-vocab {tree.draft_vocab}: this bundle has no token ranking; pass --draft-ranking "
                              "RUN_DIR (its training run) or re-export it")
     else:
         args.llm = args.llm or "default"
         tree = _tree(args)
-        ranking = _ranking(args, tree, _ssm_refs(args))
+        ranking = ranking_for(tree.draft_vocab, args.draft_ranking, _ssm_refs(args))  # before any model loads
         llm, ssms = load_llm_and_ssms(args.llm, _ssm_refs(args), dtype, parse_dtype(args.ssm_dtype or args.dtype))
     tok = llm.tokenizer
     ids = encode_prompt(tok, args.prompt, chat=not args.no_chat)

@@ -102,3 +102,8 @@ def find_ranking(explicit: str | Path | None, ssm_dirs: Sequence[str | Path]) ->
                 return candidate
     raise ValueError(f"--draft-vocab needs the token ranking ({FILE}, written by `boosttune train` in its run "
                      "directory); pass --draft-ranking RUN_DIR")
+
+
+def ranking_for(draft_vocab: int, explicit: str | Path | None, ssm_dirs: Sequence[str | Path]) -> Tensor | None:
+    """The ranking a tree with ``draft_vocab`` needs (see :func:`find_ranking`); None for 0."""
+    return load_ranking(find_ranking(explicit, ssm_dirs)) if draft_vocab else None

@@ -121,6 +121,7 @@ class ModelRunner:
             raise ValueError(f"draft vocabulary ids must be non-empty and in [0, {weight.shape[0]})")
         self.head_ids = ids.to(weight.device)
         self._head_weight = weight.detach()[self.head_ids].contiguous()
+        self._vocab = weight.shape[0]
         self._body_cache_kw = _cache_keyword(self.model.base_model.forward)
 
     @property
@@ -178,8 +179,7 @@ class ModelRunner:
         """(T, H) last hidden states → (T, V) fp32 logits, -inf outside the draft vocabulary."""
         assert self._head_weight is not None and self.head_ids is not None
         small = (last @ self._head_weight.T).float()  # (T, K)
-        v = self.model.get_output_embeddings().weight.shape[0]
-        full = small.new_full((last.shape[0], v), float("-inf"))
+        full = small.new_full((last.shape[0], self._vocab), float("-inf"))
         full[:, self.head_ids] = small
         return full
 

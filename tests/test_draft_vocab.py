@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 from conftest import perturbed, tiny_llama
-from test_engine_sampling import VOCAB, exact_distribution, pvalue, run_engine
+from test_engine_sampling import VOCAB, exact_distribution, pvalue, run_engine, sampling_models
 
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
@@ -112,11 +112,6 @@ def test_draft_vocabulary_follows_the_tree_of_each_request():
     assert runner.head_ids is None, "the drafter's own tree (whole vocabulary) is back after the request"
 
 
-def _models():
-    llm = tiny_llama(11, vocab=VOCAB, init=0.3)
-    return llm, [perturbed(llm, 12, noise=0.8), perturbed(llm, 13, noise=1.2)]
-
-
 def _restricted_engine(llm, ssms, excluded: int) -> SpeculativeEngine:
     # ``excluded`` is ranked last, outside both draft vocabularies: only verification's residual
     # (or the bonus token) can produce it.
@@ -131,7 +126,7 @@ def _likeliest_first_token(exact: dict[tuple[int, int], float]) -> int:
 
 
 def test_sampling_with_a_draft_vocabulary_keeps_the_llm_distribution():
-    llm, ssms = _models()
+    llm, ssms = sampling_models()
     exact = exact_distribution(llm)
     first = _likeliest_first_token(exact)
     counts = run_engine(_restricted_engine(llm, ssms, excluded=first))
@@ -144,7 +139,7 @@ def test_negative_control_accept_always_with_a_draft_vocabulary_fails(monkeypatc
     import boosttune.serving.engine as engine_mod
     from test_engine_sampling import _accept_always
 
-    llm, ssms = _models()
+    llm, ssms = sampling_models()
     monkeypatch.setattr(engine_mod, "stochastic_verify", _accept_always)
     exact = exact_distribution(llm)
     pv = pvalue(run_engine(_restricted_engine(llm, ssms, excluded=_likeliest_first_token(exact))), exact)

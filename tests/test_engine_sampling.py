@@ -57,11 +57,15 @@ def pvalue(counts, exact) -> float:
     return float(chisquare(obs, [e * scale for e in exp]).pvalue)
 
 
+def sampling_models():
+    """The LLM over VOCAB tokens and two SSMs that agree with it only partly."""
+    llm = tiny_llama(11, vocab=VOCAB, init=0.3)
+    return llm, [perturbed(llm, 12, noise=0.8), perturbed(llm, 13, noise=1.2)]
+
+
 @pytest.fixture(scope="module")
 def models():
-    llm = tiny_llama(11, vocab=VOCAB, init=0.3)
-    ssms = [perturbed(llm, 12, noise=0.8), perturbed(llm, 13, noise=1.2)]
-    return llm, ssms
+    return sampling_models()
 
 
 def make_engine(llm, ssms) -> SpeculativeEngine:

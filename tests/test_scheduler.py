@@ -120,32 +120,17 @@ def test_linear_model_equals_the_sklearn_pipeline():
 
 def test_a_costly_ssm_with_equal_predicted_gain_is_dropped(scheduler):
     survival = np.array([[0.8, 0.6]] * 3)  # {0}, {1}, {0,1} predicted alike
-    cheap0 = Scheduler(
-        SPEC,
-        scheduler.model,
-        costs(draft0=(0.005, 0.01), draft1=(0.03, 0.06)),
-        (1, 1),
-        30,
-        6.0,
-        Candidate(0, 0),
-    )
+    def priced(cost_model, margin=0.0):
+        return Scheduler(SPEC, scheduler.model, cost_model, (1, 1), 30, 6.0, Candidate(0, 0), margin=margin)
+
+    cheap0 = priced(costs(draft0=(0.005, 0.01), draft1=(0.03, 0.06)))
     choice = cheap0.decide(survival, prompt_tokens=4)
     assert (choice.ssm_indices, choice.depth) == ((0,), 2)  # 0.030 s / 2.4 tokens beats plain 0.020 s / token
-    cheap1 = Scheduler(
-        SPEC,
-        scheduler.model,
-        costs(draft0=(0.03, 0.06), draft1=(0.005, 0.01)),
-        (1, 1),
-        30,
-        6.0,
-        Candidate(0, 0),
-    )
+    cheap1 = priced(costs(draft0=(0.03, 0.06), draft1=(0.005, 0.01)))
     assert cheap1.decide(survival, prompt_tokens=4).ssm_indices == (1,)
-    pricey = Scheduler(
-        SPEC, scheduler.model, costs(draft0=(0.05, 0.1), draft1=(0.05, 0.1)), (1, 1), 30, 6.0, Candidate(0, 0)
-    )
+    pricey = priced(costs(draft0=(0.05, 0.1), draft1=(0.05, 0.1)))
     assert pricey.decide(survival, prompt_tokens=4).ssm_indices == ()  # drafting costs more than it saves
-    cautious = Scheduler(SPEC, scheduler.model, cheap0.costs, (1, 1), 30, 6.0, Candidate(0, 0), margin=0.5)
+    cautious = priced(cheap0.costs, margin=0.5)
     assert (
         cautious.decide(survival, prompt_tokens=4).ssm_indices == ()
     )  # 0.0125 s/token is not 50 % below 0.020
