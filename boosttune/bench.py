@@ -25,7 +25,7 @@ from boosttune.serving.draft_vocab import find_ranking, ranking_for
 from boosttune.serving.engine import GenerationResult, SpeculativeEngine
 from boosttune.serving.stops import StopCriteria
 
-METHODS = ("baseline", "hf_assisted", "ours")
+METHODS = ("baseline", "hf_assisted", "hf_lookup", "ours")
 
 
 @dataclass
@@ -46,7 +46,10 @@ class BenchConfig:
         draft_ranking: the token ranking file (or its run directory) for ``tree.draft_vocab`` > 0;
             None: found next to the first SSM or in its run directory.
         chat: apply the LLM's chat template.
-        methods: which of baseline, hf_assisted, ours to run.
+        methods: which of baseline, hf_assisted, hf_lookup (HF's prompt lookup decoding, the
+            peer of ``prompt_lookup``), ours to run.
+        prompt_lookup: > 0 adds a prompt-lookup drafter (``serving/lookup.py``) proposing up to
+            this many tokens to ours, after the SSMs (0: off).
     """
 
     llm: str
@@ -61,10 +64,17 @@ class BenchConfig:
     chat: bool = True
     methods: tuple[str, ...] = METHODS
     draft_ranking: str | None = None
+    prompt_lookup: int = 0
 
     def validate(self) -> None:
-        if not self.ssms and ("ours" in self.methods or "hf_assisted" in self.methods):
-            raise ValueError("--ssm is required for the 'ours' and 'hf_assisted' methods (give at least one)")
+        if not self.ssms and "hf_assisted" in self.methods:
+            raise ValueError("--ssm is required for the 'hf_assisted' method (its assistant is the first SSM)")
+        if not self.ssms and not self.prompt_lookup and "ours" in self.methods:
+            raise ValueError("the 'ours' method needs a drafter: give --ssm (at least one) or --prompt-lookup N")
+        if self.prompt_lookup < 0:
+            raise ValueError(f"--prompt-lookup must be >= 0 (0 = off), got {self.prompt_lookup}")
+        if "hf_lookup" in self.methods and not self.prompt_lookup:
+            raise ValueError("the 'hf_lookup' method needs --prompt-lookup N (its draft length)")
         if not Path(self.questions).is_file():
             raise ValueError(f"--questions: no such file: {self.questions}")
         if self.max_new_tokens < 1:
@@ -92,6 +102,19 @@ def _hf_assisted(llm: LoadedModel, ssm: LoadedModel, ids: list[int], stop: StopC
     )
     new = out[0, len(ids):].tolist()
     new, finish = stop.cut([], new)
+    return GenerationResult(new, [], time.perf_counter() - start, finish or "length")
+
+
+def _hf_lookup(llm: LoadedModel, ids: list[int], stop: StopCriteria, tokens: int) -> GenerationResult:
+    """HF transformers prompt lookup decoding (greedy, ``prompt_lookup_num_tokens``), our lookup's peer."""
+    start = time.perf_counter()
+    inp = torch.tensor([ids], device=llm.model.device)
+    out = llm.model.generate(
+        inp, attention_mask=torch.ones_like(inp), prompt_lookup_num_tokens=tokens, do_sample=False,
+        max_new_tokens=stop.max_new_tokens, eos_token_id=sorted(stop.eos_token_ids) or None,
+        pad_token_id=llm.tokenizer.pad_token_id or llm.tokenizer.eos_token_id,
+    )
+    new, finish = stop.cut([], out[0, len(ids):].tolist())
     return GenerationResult(new, [], time.perf_counter() - start, finish or "length")
 
 
@@ -124,12 +147,15 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     tok = llm.tokenizer
     eos = eos_token_ids(llm)
     stop = StopCriteria(max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos)
-    engine = SpeculativeEngine.from_models(llm.model, [s.model for s in ssms], cfg.tree, ranking=ranking)
+    engine = SpeculativeEngine.from_models(
+        llm.model, [s.model for s in ssms], cfg.tree, ranking=ranking, lookup=cfg.prompt_lookup
+    )
 
     def runners(stop: StopCriteria) -> dict[str, Callable[[list[int]], GenerationResult]]:
         return {
             "baseline": lambda ids: incremental_generate(llm.model, ids, stop),
             "hf_assisted": lambda ids: _hf_assisted(llm, ssms[0], ids, stop),
+            "hf_lookup": lambda ids: _hf_lookup(llm, ids, stop, cfg.prompt_lookup),
             "ours": lambda ids: engine.generate(ids, stop),
         }
 
@@ -168,6 +194,7 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig) -> d
     ours = results.get("ours", [])
     base = results.get("baseline", [])
     hf = results.get("hf_assisted", [])
+    hfl = results.get("hf_lookup", [])
     steps = sum(r.steps for r in ours)
     summary = {
         "total": len(next(iter(results.values()))),
@@ -177,6 +204,9 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig) -> d
         "hf_assisted_tokens_per_s": tps("hf_assisted"),
         "greedy_identical": sum(a.tokens == b.tokens for a, b in zip(ours, base, strict=True)) if base else None,
         "hf_assisted_identical": sum(a.tokens == b.tokens for a, b in zip(hf, base, strict=True)) if base and hf else None,
+        "hf_lookup_tokens_per_s": tps("hf_lookup"),
+        "hf_lookup_identical": sum(a.tokens == b.tokens for a, b in zip(hfl, base, strict=True)) if base and hfl else None,
+        "prompt_lookup": cfg.prompt_lookup,
         "dtype": cfg.dtype,
         "ssm_dtype": cfg.ssm_dtype or cfg.dtype,
         "llm": cfg.llm,
@@ -198,6 +228,8 @@ def format_table(summary: dict) -> str:
         ("baseline (incremental)", f"{summary['baseline_tokens_per_s']:.2f}", "1.00", "1.00"),
         ("hf_assisted", f"{summary['hf_assisted_tokens_per_s']:.2f}", "-",
          _ratio(summary["hf_assisted_tokens_per_s"], summary["baseline_tokens_per_s"])),
+        ("hf_lookup", f"{summary['hf_lookup_tokens_per_s']:.2f}", "-",
+         _ratio(summary["hf_lookup_tokens_per_s"], summary["baseline_tokens_per_s"])),
         ("ours (token tree)", f"{summary['tokens_per_s']:.2f}", f"{summary['tau']:.2f}",
          _ratio(summary["tokens_per_s"], summary["baseline_tokens_per_s"])),
     ]

@@ -53,6 +53,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-ranking", default=None, metavar="PATH",
                    help="the token ranking for --draft-vocab (draft_vocab.json or its run directory; default: "
                         "found next to the first --ssm or in its run directory)")
+    p.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                   help="also draft up to N tokens copied from where the newest 1-3 tokens occurred before in "
+                        "the prompt or the answer (prompt lookup; free to draft); 0 = off")
 
 
 def _tree(args: argparse.Namespace, base: TreeConfig | None = None) -> TreeConfig:
@@ -83,7 +86,8 @@ def _build() -> tuple[argparse.ArgumentParser, dict]:
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--out", required=True, help="output directory (answers JSONL + summary.json)")
     b.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    b.add_argument("--methods", default="baseline,hf_assisted,ours", help="comma-separated subset")
+    b.add_argument("--methods", default="baseline,hf_assisted,ours",
+                   help="comma-separated subset of baseline, hf_assisted, hf_lookup (needs --prompt-lookup), ours")
 
     g = sub.add_parser("generate", help="one prompt, streamed to the terminal, with statistics",
                        usage="boosttune generate [BUNDLE] PROMPT [options]")
@@ -122,7 +126,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = BenchConfig(
         llm=args.llm, ssms=_ssm_refs(args), questions=args.questions, out=args.out, limit=args.limit,
         max_new_tokens=args.max_new_tokens, dtype=args.dtype, ssm_dtype=args.ssm_dtype, tree=_tree(args), chat=not args.no_chat,
-        draft_ranking=args.draft_ranking,
+        draft_ranking=args.draft_ranking, prompt_lookup=args.prompt_lookup,
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
     )
     summary = run_bench(cfg)
@@ -160,7 +164,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tok = llm.tokenizer
     ids = encode_prompt(tok, args.prompt, chat=not args.no_chat)
     eos = eos_token_ids(llm)
-    engine = SpeculativeEngine.from_models(llm.model, [s.model for s in ssms], tree, ranking=ranking)
+    engine = SpeculativeEngine.from_models(
+        llm.model, [s.model for s in ssms], tree, ranking=ranking, lookup=args.prompt_lookup
+    )
     shown: list[int] = []
     printed = ""
 

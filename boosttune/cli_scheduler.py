@@ -59,6 +59,8 @@ def add_commands(subparsers) -> dict:
     p.add_argument("--ssm-dtype", default=None, help="SSM dtype (default: --dtype)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="K",
                    help="SSMs draft over the run's K most frequent tokens (cheaper drafts; 0 = whole vocabulary)")
+    p.add_argument("--no-prompt-lookup", action="store_const", const=False, dest="prompt_lookup", default=None,
+                   help="choose among the SSMs only (default: prompt lookup is one more drafter to choose)")
     p.add_argument("--calib-prompts", type=int, default=None, help="prompts used to time the SSMs")
     p.add_argument("--calib-tokens", type=int, default=None, help="tokens per timing run")
     p.add_argument(
@@ -106,6 +108,7 @@ def cmd_train_scheduler(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         ssm_dtype=args.ssm_dtype,
         draft_vocab=args.draft_vocab,
+        prompt_lookup=args.prompt_lookup,
         calib_prompts=args.calib_prompts,
         calib_tokens=args.calib_tokens,
         real_policies=args.real_policies,

@@ -1,11 +1,12 @@
 """The measured cost model: what one speculative step costs on this machine, per subset and budget.
 
-Shape legend: N SSMs, K candidate depths, P points of the verification curve.
+Shape legend: N drafters (SSMs, and the prompt-lookup drafter when there is one: a drafter without a
+model is priced the same way), K candidate depths, P points of the verification curve.
 
 A step of subset ``S`` with trees cut to depth ``k`` costs (seconds)::
 
     step(S, k) = sum_{j in S} draft[j][k] + verify(nodes(S, k)) + overhead0 + overhead1 * |S|
-    nodes(S, k) = |S| * nodes_per_ssm[k]        (an upper bound: merging shares common prefixes)
+    nodes(S, k) = sum_{j in S} nodes_per_ssm[j][k]   (an upper bound: merging shares common prefixes)
 
 and each SSM in ``S`` also catches up on the prompt once per request (``ssm_prefill_s_per_token``
 times the prompt length). ``verify`` interpolates the measured medians piecewise-linearly (the
@@ -27,6 +28,7 @@ import numpy as np
 from boosttune.scheduler.subsets import members
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.engine import GenerationResult, SpeculativeEngine
+from boosttune.serving.lookup import PromptLookupDrafter, lookup_tree
 from boosttune.serving.stops import StopCriteria
 
 
@@ -36,7 +38,9 @@ class CostModel:
 
     Attributes:
         depths: (K,) candidate tree depths (budgets), increasing.
-        nodes_per_ssm: (K,) nodes one SSM drafts at each depth.
+        nodes_per_ssm: (N, K) mean nodes drafter j drafts per step at each depth, measured (an SSM's
+            expansion tree has a fixed size; prompt lookup drafts a chain when it finds a match).
+            A flat (K,) tuple (files written before drafters differed) is taken for every drafter.
         draft_s: (N, K) median seconds of one ``draft`` call of SSM j at depth k (prompt catch-up
             excluded).
         ssm_prefill_s_per_token: (N,) seconds per prompt token of SSM j's first catch-up.
@@ -46,7 +50,7 @@ class CostModel:
     """
 
     depths: tuple[int, ...]
-    nodes_per_ssm: tuple[int, ...]
+    nodes_per_ssm: tuple[tuple[float, ...], ...]
     draft_s: tuple[tuple[float, ...], ...]
     ssm_prefill_s_per_token: tuple[float, ...]
     verify_nodes: tuple[int, ...]
@@ -55,7 +59,12 @@ class CostModel:
 
     def __post_init__(self) -> None:
         k = len(self.depths)
-        if len(self.nodes_per_ssm) != k or any(len(row) != k for row in self.draft_s):
+        if self.nodes_per_ssm and not isinstance(self.nodes_per_ssm[0], (tuple, list)):
+            object.__setattr__(self, "nodes_per_ssm", (tuple(self.nodes_per_ssm),) * len(self.draft_s))
+        object.__setattr__(self, "nodes_per_ssm", tuple(tuple(float(x) for x in r) for r in self.nodes_per_ssm))
+        if len(self.nodes_per_ssm) != len(self.draft_s):
+            raise ValueError("cost model: nodes_per_ssm needs one row per drafter")
+        if any(len(r) != k for r in self.nodes_per_ssm) or any(len(row) != k for row in self.draft_s):
             raise ValueError(f"cost model: draft_s rows and nodes_per_ssm need one entry per depth ({k})")
         if len(self.ssm_prefill_s_per_token) != len(self.draft_s):
             raise ValueError("cost model: ssm_prefill_s_per_token needs one entry per SSM")
@@ -67,6 +76,7 @@ class CostModel:
             *self.verify_s,
             *self.overhead_s,
             *self.ssm_prefill_s_per_token,
+            *(x for r in self.nodes_per_ssm for x in r),
             *(x for r in self.draft_s for x in r),
         ]
         if not all(np.isfinite(v) and v >= 0 for v in values):
@@ -76,7 +86,7 @@ class CostModel:
     def n_ssms(self) -> int:
         return len(self.draft_s)
 
-    def verify_cost(self, nodes: int) -> float:
+    def verify_cost(self, nodes: float) -> float:
         """Seconds of one verification forward over ``nodes`` tree nodes (plus the root)."""
         xs, ys = np.asarray(self.verify_nodes, float), np.asarray(self.verify_s, float)
         if nodes <= xs[-1] or len(xs) == 1:
@@ -88,7 +98,7 @@ class CostModel:
         """Seconds of one step of subset ``mask`` at ``depths[depth_index]`` (mask 0: plain step)."""
         ssms = members(mask)
         draft = sum(self.draft_s[j][depth_index] for j in ssms)
-        nodes = len(ssms) * self.nodes_per_ssm[depth_index] if ssms else 0
+        nodes = sum(self.nodes_per_ssm[j][depth_index] for j in ssms)
         return draft + self.verify_cost(nodes) + self.overhead_s[0] + self.overhead_s[1] * len(ssms)
 
     def prefill_cost(self, mask: int, prompt_tokens: int) -> float:
@@ -103,7 +113,7 @@ class CostModel:
         return {
             "type": "cost_model",
             "depths": list(self.depths),
-            "nodes_per_ssm": list(self.nodes_per_ssm),
+            "nodes_per_ssm": [list(r) for r in self.nodes_per_ssm],
             "draft_s": [list(r) for r in self.draft_s],
             "ssm_prefill_s_per_token": list(self.ssm_prefill_s_per_token),
             "verify_nodes": list(self.verify_nodes),
@@ -115,7 +125,9 @@ class CostModel:
     def from_json(cls, obj: dict) -> CostModel:
         return cls(
             depths=tuple(int(d) for d in obj["depths"]),
-            nodes_per_ssm=tuple(int(n) for n in obj["nodes_per_ssm"]),
+            nodes_per_ssm=tuple(
+                tuple(float(x) for x in r) if isinstance(r, list) else float(r) for r in obj["nodes_per_ssm"]
+            ),
             draft_s=tuple(tuple(float(x) for x in r) for r in obj["draft_s"]),
             ssm_prefill_s_per_token=tuple(float(x) for x in obj["ssm_prefill_s_per_token"]),
             verify_nodes=tuple(int(n) for n in obj["verify_nodes"]),
@@ -138,6 +150,7 @@ class _Samples:
     """Raw timings gathered by ``calibrate`` before medians are taken."""
 
     draft: dict[tuple[int, int], list[float]]  # (ssm, depth) -> seconds of later-step drafts
+    nodes: dict[tuple[int, int], list[int]]  # (ssm, depth) -> tree sizes of its solo steps
     prefill: dict[int, list[float]]  # ssm -> seconds per prompt token of the first catch-up
     verify: dict[int, list[float]]  # nodes -> seconds
     overhead: dict[int, list[float]]  # active SSMs -> seconds
@@ -151,6 +164,8 @@ class _Samples:
             self.overhead.setdefault(len(active), []).append(max(spent, 0.0))
             if depth is None:
                 continue
+            if len(active) == 1:
+                self.nodes.setdefault((active[0], depth), []).append(rec.nodes)
             for j, s in zip(active, rec.draft_s, strict=True):
                 # the first step also catches up on the prompt: only a one-step run keeps it
                 if i > 0 or len(res.records) == 1:
@@ -176,7 +191,7 @@ def calibrate(
     Args:
         engine: the engine with every SSM (greedy decoding).
         prompts: token ids of the calibration prompts.
-        widths: expansion widths; depth k drafts ``widths[:k]``.
+        widths: expansion widths; an SSM at depth k drafts ``widths[:k]``, prompt lookup a chain of k.
         depths: candidate depths.
         tokens: tokens generated per calibration run.
         merged_runs: recorded (result, prompt tokens) of labelled runs (every SSM merged), whose
@@ -184,15 +199,16 @@ def calibrate(
     """
     depths = sorted(depths)
     n = len(engine.drafters)
-    samples = _Samples({}, {}, {}, {})
+    samples = _Samples({}, {}, {}, {}, {})
     stop = StopCriteria(max_new_tokens=tokens)
     for ids in prompts:
         res = engine.generate(ids, stop, active=[], record=True)
         samples.add_run(res, len(ids), None)
         for k in depths:
             tree = TreeConfig(widths=tuple(widths[:k]), draft_vocab=draft_vocab)
-            for j in range(n):
-                res = engine.generate(ids, stop, active=[j], tree=tree, record=True)
+            for j, drafter in enumerate(engine.drafters):
+                own = lookup_tree(k) if isinstance(drafter, PromptLookupDrafter) else tree
+                res = engine.generate(ids, stop, active=[j], tree=own, record=True)
                 samples.add_run(res, len(ids), k)
     for res, prompt_tokens in merged_runs:
         samples.add_run(res, prompt_tokens, None)
@@ -212,7 +228,10 @@ def _fit(samples: _Samples, n: int, widths: Sequence[int], depths: Sequence[int]
     verify = np.maximum.accumulate([float(np.median(samples.verify[x])) for x in nodes]).tolist()
     return CostModel(
         depths=tuple(depths),
-        nodes_per_ssm=tuple(tree_nodes(widths, k) for k in depths),
+        nodes_per_ssm=tuple(
+            tuple(float(np.mean(samples.nodes.get((j, k)) or [tree_nodes(widths, k)])) for k in depths)
+            for j in range(n)
+        ),
         draft_s=tuple(draft),
         ssm_prefill_s_per_token=tuple(float(np.median(samples.prefill.get(j, [0.0]))) for j in range(n)),
         verify_nodes=tuple(nodes),

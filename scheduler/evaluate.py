@@ -148,7 +148,7 @@ def run_policy(
         ids,
         stop,
         active=[j for j in range(scheduler.n_ssms) if cand.mask >> j & 1],
-        tree=scheduler.tree(cand.depth),
+        tree=scheduler.trees(cand.mask, cand.depth),
         record=True,
     )
     return real_outcome(res, cand), None

@@ -1,6 +1,7 @@
 """Request features known before decoding starts: the prompt, and the LLM's prefill (free).
 
-Shape legend: T prompt tokens, H the LLM's hidden size, B hash buckets, F = 2 + H + B features.
+Shape legend: T prompt tokens, H the LLM's hidden size, B hash buckets, F = 2 + L + H + B features
+(L = 1 when the spec has the prompt-lookup feature, else 0).
 
 The feature vector, in order (``RequestFeatures.vector``):
 
@@ -9,6 +10,9 @@ block                   size   unit
 ======================  =====  ==================================================================
 log_prompt_tokens       1      ln(1 + prompt length in tokens, chat template included)
 chat                    1      1.0 when the chat template was applied, else 0.0
+lookup_hit_rate         L      share of the prompt's tokens (after the first) that prompt lookup
+                               (``serving/lookup.py``) would have guessed from the text before
+                               them: how much the prompt repeats itself, a proxy for copying
 hidden_mean             H      LLM last-layer hidden state (input of the LM head), averaged over
                                the prefilled prompt positions; activation units, fp32
 ngrams                  B      hashed token-id unigrams and bigrams of the prompt, counts scaled
@@ -40,18 +44,27 @@ class FeatureSpec:
 
     hidden_size: int
     ngram_buckets: int
+    lookup: bool = True
+
+    @property
+    def head(self) -> int:
+        """Scalar features at the front of the vector (the model passes them by its PCA)."""
+        return 2 + int(self.lookup)
 
     @property
     def dim(self) -> int:
         """F, length of the feature vector."""
-        return 2 + self.hidden_size + self.ngram_buckets
+        return self.head + self.hidden_size + self.ngram_buckets
 
     def to_json(self) -> dict:
-        return {"type": "feature_spec", "hidden_size": self.hidden_size, "ngram_buckets": self.ngram_buckets}
+        return {"type": "feature_spec", "hidden_size": self.hidden_size, "ngram_buckets": self.ngram_buckets,
+                "lookup": self.lookup}
 
     @classmethod
     def from_json(cls, obj: dict) -> FeatureSpec:
-        return cls(hidden_size=int(obj["hidden_size"]), ngram_buckets=int(obj["ngram_buckets"]))
+        # files written before the lookup feature existed have no "lookup" key and no such feature
+        return cls(hidden_size=int(obj["hidden_size"]), ngram_buckets=int(obj["ngram_buckets"]),
+                   lookup=bool(obj.get("lookup", False)))
 
 
 @dataclass(frozen=True)
@@ -63,16 +76,19 @@ class RequestFeatures:
         chat: whether the chat template was applied.
         hidden_mean: (H,) float32, mean prefill last-layer hidden state.
         ngrams: (B,) float32, unit-norm hashed n-gram counts.
+        lookup_hit_rate: ``lookup_hit_rate`` of the prompt, or None when the spec has no such feature.
     """
 
     prompt_tokens: int
     chat: bool
     hidden_mean: np.ndarray
     ngrams: np.ndarray
+    lookup_hit_rate: float | None = None
 
     def vector(self) -> np.ndarray:
         """(F,) float64 feature vector."""
-        head = np.array([np.log1p(self.prompt_tokens), float(self.chat)])
+        lookup = [] if self.lookup_hit_rate is None else [self.lookup_hit_rate]
+        head = np.array([np.log1p(self.prompt_tokens), float(self.chat), *lookup])
         return np.concatenate([head, self.hidden_mean.astype(np.float64), self.ngrams.astype(np.float64)])
 
     def to_json(self) -> dict:
@@ -81,6 +97,7 @@ class RequestFeatures:
             "chat": self.chat,
             "hidden_mean": self.hidden_mean.tolist(),
             "ngrams": self.ngrams.tolist(),
+            "lookup_hit_rate": self.lookup_hit_rate,
         }
 
     @classmethod
@@ -90,6 +107,7 @@ class RequestFeatures:
             chat=bool(obj["chat"]),
             hidden_mean=np.asarray(obj["hidden_mean"], dtype=np.float32),
             ngrams=np.asarray(obj["ngrams"], dtype=np.float32),
+            lookup_hit_rate=None if obj.get("lookup_hit_rate") is None else float(obj["lookup_hit_rate"]),
         )
 
 
@@ -101,6 +119,30 @@ def hashed_ngrams(ids: Sequence[int], buckets: int) -> np.ndarray:
     counts = np.bincount(np.concatenate([uni, bi]) % buckets, minlength=buckets).astype(np.float32)
     norm = float(np.linalg.norm(counts))
     return counts / norm if norm > 0 else counts
+
+
+def lookup_hit_rate(ids: Sequence[int], max_ngram: int = 3) -> float:
+    """Share of tokens ``ids[1:]`` that prompt lookup would have predicted from the tokens before them.
+
+    The prediction for ``ids[t]`` is the token that followed the latest earlier occurrence of the
+    longest of the last ``max_ngram`` .. 1 tokens before t (``serving.lookup.find_continuation``
+    with length 1), found in O(T) with one dictionary per n-gram length.
+    """
+    ids = [int(i) for i in ids]
+    if len(ids) < 2:
+        return 0.0
+    follows: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]
+    hits = 0
+    for t in range(1, len(ids)):
+        guess = None
+        for n in range(min(max_ngram, t), 0, -1):
+            guess = follows[n].get(tuple(ids[t - n : t]))
+            if guess is not None:
+                break
+        hits += guess == ids[t]
+        for n in range(1, min(max_ngram, t) + 1):  # n-grams ending at t - 1, followed by ids[t]
+            follows[n][tuple(ids[t - n : t])] = ids[t]
+    return hits / (len(ids) - 1)
 
 
 def pool_hidden(hidden: torch.Tensor, hidden_size: int) -> np.ndarray:
@@ -124,4 +166,5 @@ def request_features(
         chat=bool(chat),
         hidden_mean=pool_hidden(hidden, spec.hidden_size),
         ngrams=hashed_ngrams(prompt_ids, spec.ngram_buckets),
+        lookup_hit_rate=lookup_hit_rate(prompt_ids) if spec.lookup else None,
     )

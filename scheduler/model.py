@@ -8,6 +8,9 @@ steps that subset's merged tree accepted ≥ d tokens, ``subsets.union_survival`
 those instead of combining per-SSM predictions under an independence assumption the SSMs break
 (boost-tuned SSMs fail together on hard tokens). The model is scikit-learn's
 ``StandardScaler → PCA → Ridge`` (one ridge per output): few requests, many correlated features.
+The first ``passthrough`` features (the spec's few scalars: prompt length, chat, prompt-lookup hit
+rate) go to the ridge as they are, next to the principal components of the rest: folded into a
+PCA of hundreds of hidden-state dimensions, one informative scalar would be lost.
 The number of components and the penalty are chosen by K-fold cross-validation of the whole
 pipeline (PCA refitted per fold: with far more features than requests, a PCA fitted on the
 held-out request too would make every fit look good); when nothing generalises, the largest
@@ -26,17 +29,18 @@ import numpy as np
 
 @dataclass(frozen=True)
 class LinearModel:
-    """``y = ((x - x_mean) / x_scale - pca_mean) @ components.T @ coef.T + intercept``.
+    """``z = (x - x_mean) / x_scale``; ``y = [z[:k], (z[k:] - pca_mean) @ components.T] @ coef.T + intercept``.
 
     Attributes:
         x_mean: (F,) feature means.
         x_scale: (F,) feature standard deviations (1 where a feature is constant).
-        pca_mean: (F,) mean of the standardized features (≈ 0).
-        components: (P, F) principal axes.
+        pca_mean: (F - k,) mean of the standardized features the PCA sees (≈ 0).
+        components: (P, F - k) principal axes.
         pca_std: (P,) standard deviation of the training requests along each axis.
-        coef: (C, P) ridge coefficients.
+        coef: (C, k + P) ridge coefficients.
         intercept: (C,) ridge intercepts.
         alpha: the ridge penalty cross-validation chose.
+        passthrough: k, leading features fed to the ridge without the PCA.
     """
 
     x_mean: np.ndarray
@@ -47,15 +51,19 @@ class LinearModel:
     coef: np.ndarray
     intercept: np.ndarray
     alpha: float
+    passthrough: int = 0
 
     def __post_init__(self) -> None:
         f, p, c = self.x_mean.shape[0], self.components.shape[0], self.intercept.shape[0]
+        k = self.passthrough
+        if not 0 <= k < f:
+            raise ValueError(f"linear model: passthrough must be in [0, {f}), got {k}")
         shapes = {
             "x_scale": (self.x_scale.shape, (f,)),
-            "pca_mean": (self.pca_mean.shape, (f,)),
-            "components": (self.components.shape, (p, f)),
+            "pca_mean": (self.pca_mean.shape, (f - k,)),
+            "components": (self.components.shape, (p, f - k)),
             "pca_std": (self.pca_std.shape, (p,)),
-            "coef": (self.coef.shape, (c, p)),
+            "coef": (self.coef.shape, (c, k + p)),
         }
         for name, (got, want) in shapes.items():
             if got != want:
@@ -77,18 +85,22 @@ class LinearModel:
         return int(self.x_mean.shape[0])
 
     def project(self, x: np.ndarray) -> np.ndarray:
-        """(F,) or (R, F) features → (P,) or (R, P) principal coordinates."""
-        return ((x - self.x_mean) / self.x_scale - self.pca_mean) @ self.components.T
+        """(F,) or (R, F) features → (k + P,) or (R, k + P): passed-through features, principal coordinates."""
+        z = (x - self.x_mean) / self.x_scale
+        k = self.passthrough
+        return np.concatenate([z[..., :k], (z[..., k:] - self.pca_mean) @ self.components.T], axis=-1)
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """(F,) or (R, F) features → (C,) or (R, C) outputs."""
         return self.project(x) @ self.coef.T + self.intercept
 
     def distance(self, x: np.ndarray) -> float:
-        """Largest |coordinate| of ``x`` along the principal axes, in training standard deviations."""
+        """Largest |coordinate| of ``x`` (passed-through features and principal axes), in training
+        standard deviations (the passed-through ones are standardized: 1)."""
         z = self.project(x)
-        live = self.pca_std > 1e-12
-        return float(np.max(np.abs(z[..., live] / self.pca_std[live]), initial=0.0))
+        std = np.concatenate([np.ones(self.passthrough), self.pca_std])
+        live = std > 1e-12
+        return float(np.max(np.abs(z[..., live] / std[live]), initial=0.0))
 
     def to_json(self) -> dict:
         return {
@@ -101,6 +113,7 @@ class LinearModel:
             "coef": self.coef.tolist(),
             "intercept": self.intercept.tolist(),
             "alpha": self.alpha,
+            "passthrough": self.passthrough,
         }
 
     @classmethod
@@ -120,23 +133,27 @@ class LinearModel:
             coef=arr("coef", 2),
             intercept=arr("intercept", 1),
             alpha=float(obj["alpha"]),
+            passthrough=int(obj.get("passthrough", 0)),  # absent in files written before it existed
         )
 
 
 CV_FOLDS = 5
 
 
-def make_pipeline(components: int, alpha: float):
+def make_pipeline(components: int, alpha: float, n_features: int, passthrough: int = 0):
     """The scikit-learn pipeline whose parameters ``LinearModel`` carries."""
+    from sklearn.compose import ColumnTransformer
     from sklearn.decomposition import PCA
     from sklearn.linear_model import Ridge
     from sklearn.pipeline import Pipeline
     from sklearn.preprocessing import StandardScaler
 
+    parts = [("keep", "passthrough", list(range(passthrough)))] if passthrough else []
+    parts.append(("pca", PCA(n_components=components, svd_solver="full"), list(range(passthrough, n_features))))
     return Pipeline(
         [
             ("scale", StandardScaler()),
-            ("pca", PCA(n_components=components, svd_solver="full")),
+            ("features", ColumnTransformer(parts)),
             ("ridge", Ridge(alpha=alpha)),
         ]
     )
@@ -150,8 +167,11 @@ def component_grid(n_requests: int, n_features: int, components: int, folds: int
     return grid + [cap]
 
 
-def fit_linear(x: np.ndarray, y: np.ndarray, components: int, alphas: Sequence[float]) -> LinearModel:
-    """Fit (R, F) features to (R, C) targets, choosing components and penalty by K-fold CV."""
+def fit_linear(
+    x: np.ndarray, y: np.ndarray, components: int, alphas: Sequence[float], passthrough: int = 0
+) -> LinearModel:
+    """Fit (R, F) features to (R, C) targets, choosing components and penalty by K-fold CV; the
+    first ``passthrough`` features skip the PCA."""
     from sklearn.model_selection import GridSearchCV, KFold
 
     r, f = x.shape
@@ -161,17 +181,18 @@ def fit_linear(x: np.ndarray, y: np.ndarray, components: int, alphas: Sequence[f
         raise ValueError(f"features have {r} rows but targets {y.shape[0]}")
     folds = min(CV_FOLDS, r)
     grid = {
-        "pca__n_components": component_grid(r, f, components, folds),
+        "features__pca__n_components": component_grid(r, f - passthrough, components, folds),
         "ridge__alpha": [float(a) for a in alphas],
     }
     search = GridSearchCV(
-        make_pipeline(1, 1.0),
+        make_pipeline(1, 1.0, f, passthrough),
         grid,
         cv=KFold(folds, shuffle=True, random_state=0),
         scoring="neg_mean_squared_error",
     )
     pipe = search.fit(x, y).best_estimator_
-    scale, pca, ridge = pipe.named_steps["scale"], pipe.named_steps["pca"], pipe.named_steps["ridge"]
+    scale, ridge = pipe.named_steps["scale"], pipe.named_steps["ridge"]
+    pca = pipe.named_steps["features"].named_transformers_["pca"]
     coef = np.atleast_2d(ridge.coef_)
     return LinearModel(
         x_mean=scale.mean_.astype(np.float64),
@@ -182,4 +203,5 @@ def fit_linear(x: np.ndarray, y: np.ndarray, components: int, alphas: Sequence[f
         coef=coef.astype(np.float64),
         intercept=np.atleast_1d(ridge.intercept_).astype(np.float64),
         alpha=float(ridge.alpha),
+        passthrough=passthrough,
     )

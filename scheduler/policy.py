@@ -1,6 +1,11 @@
 """The policy: pick the SSM subset and tree depth that maximise predicted tokens per second.
 
-Shape legend: N SSMs, M = 2**N - 1 subsets, D label depth, K candidate depths, F features.
+Shape legend: N drafters, M = 2**N - 1 subsets, D label depth, K candidate depths, F features.
+
+The drafters are the run's SSMs and, when ``prompt_lookup``, a prompt-lookup drafter after them
+(``serving/lookup.py``); at depth k each SSM drafts ``widths[:k]`` (all of ``widths`` when k is
+larger: SSM depth saturates, while prompt lookup's nearly free chains are worth drafting deeper)
+and prompt lookup a chain of up to k tokens. "SSM" below means any of them.
 
 Candidates are every (subset, depth) plus the empty subset (plain decoding: τ = 1). For a request
 the acceptance model predicts each subset's survival curve u[m, d]; the predicted τ of (m, k) is
@@ -32,6 +37,7 @@ from boosttune.scheduler.persist import SchedulerFileError, read_scheduler_file,
 from boosttune.scheduler.subsets import all_masks, mask_of, members, monotone
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.engine import PlanHook, RequestPlan
+from boosttune.serving.lookup import lookup_tree
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,7 @@ class Choice:
     Attributes:
         ssm_indices: SSMs to draft with (empty: plain decoding).
         depth: levels of the expansion widths each SSM drafts (0 for plain decoding).
-        tree: the tree the chosen SSMs draft (None for plain decoding).
+        trees: each chosen drafter's tree by drafter index (None for plain decoding).
         predicted_tau: predicted tokens committed per LLM forward (bonus included).
         predicted_tokens_per_s: predicted decoding speed (LLM prefill excluded).
         fallback: True when the safe fallback answered.
@@ -65,7 +71,7 @@ class Choice:
 
     ssm_indices: tuple[int, ...]
     depth: int
-    tree: TreeConfig | None
+    trees: dict[int, TreeConfig] | None
     predicted_tau: float
     predicted_tokens_per_s: float
     fallback: bool = False
@@ -78,7 +84,7 @@ class Choice:
 
     def as_plan(self) -> RequestPlan:
         """``(active, tree)`` for ``SpeculativeEngine.generate``."""
-        return list(self.ssm_indices), self.tree
+        return list(self.ssm_indices), self.trees
 
 
 def candidates(n_ssms: int, depths: Sequence[int]) -> list[Candidate]:
@@ -141,6 +147,9 @@ class Scheduler:
         meta: where it came from (LLM, SSM directories, label depth, ...), for reports.
         margin: relative predicted speed-up needed to leave the fallback candidate.
         draft_vocab: the draft vocabulary size of the chosen trees (0: whole; costs were measured so).
+        prompt_lookup: the last of the ``n_ssms`` drafters is a prompt-lookup drafter
+            (``serving/lookup.py``), the others SSMs; an engine serving this scheduler must be built so
+            (``SpeculativeEngine.from_models(..., lookup=scheduler.lookup_length)``).
     """
 
     spec: FeatureSpec
@@ -153,6 +162,7 @@ class Scheduler:
     meta: dict = field(default_factory=dict)
     margin: float = 0.0
     draft_vocab: int = 0
+    prompt_lookup: bool = False
 
     def __post_init__(self) -> None:
         n, d = self.costs.n_ssms, self.label_depth
@@ -165,14 +175,27 @@ class Scheduler:
             raise ValueError(
                 f"scheduler: the model takes {self.model.n_features} features, the spec has {self.spec.dim}"
             )
-        if len(self.widths) < d or self.fallback not in self.candidates:  # builds the table: not on a request
-            raise ValueError(
-                "scheduler: widths shorter than the label depth, or a fallback that is not a candidate"
-            )
+        if not self.widths or self.fallback not in self.candidates:  # builds the table: not on a request
+            raise ValueError("scheduler: no expansion widths, or a fallback that is not a candidate")
 
     @property
     def n_ssms(self) -> int:
+        """Drafters the scheduler chooses among (SSMs, and prompt lookup when ``prompt_lookup``)."""
         return self.costs.n_ssms
+
+    @property
+    def lookup_length(self) -> int:
+        """The ``lookup`` argument of ``SpeculativeEngine.from_models`` (0: no prompt-lookup drafter)."""
+        return self.label_depth if self.prompt_lookup else 0
+
+    def check_drafters(self, n_ssms: int) -> None:
+        """Refuse to serve with ``n_ssms`` SSMs when the scheduler was trained with another number."""
+        want = self.n_ssms - int(self.prompt_lookup)
+        if n_ssms != want:
+            raise SchedulerFileError(
+                f"the scheduler was trained for {want} SSMs{' and prompt lookup' if self.prompt_lookup else ''}, "
+                f"the bundle has {n_ssms}; retrain it with `boosttune train-scheduler RUN_DIR` and re-export"
+            )
 
     @property
     def label_depth(self) -> int:
@@ -187,7 +210,15 @@ class Scheduler:
         return candidate_table(self.costs)
 
     def tree(self, depth: int) -> TreeConfig | None:
+        """An SSM's tree at ``depth`` (``widths[:depth]``; None for plain decoding)."""
         return TreeConfig(widths=self.widths[:depth], draft_vocab=self.draft_vocab) if depth else None
+
+    def trees(self, mask: int, depth: int) -> dict[int, TreeConfig] | None:
+        """Each drafter of ``mask``'s tree at ``depth``: SSMs ``tree(depth)``, prompt lookup a chain of ``depth``."""
+        if not mask:
+            return None
+        lookup = self.n_ssms - 1 if self.prompt_lookup else -1
+        return {j: lookup_tree(depth) if j == lookup else self.tree(depth) for j in members(mask)}
 
     def survival(self, features: RequestFeatures) -> np.ndarray:
         """(M, D) predicted survival, projected onto valid curves."""
@@ -240,7 +271,8 @@ class Scheduler:
 
     def _choice(self, cand: Candidate, tau: float, sec: float) -> Choice:
         return Choice(
-            members(cand.mask), cand.depth, self.tree(cand.depth), tau, 1.0 / sec if sec > 0 else float("nan")
+            members(cand.mask), cand.depth, self.trees(cand.mask, cand.depth), tau,
+            1.0 / sec if sec > 0 else float("nan"),
         )
 
     def _out_of_range(self, prompt_ids: Sequence[int], features: RequestFeatures) -> str:
@@ -272,6 +304,7 @@ class Scheduler:
             "meta": self.meta,
             "margin": self.margin,
             "draft_vocab": self.draft_vocab,
+            "prompt_lookup": self.prompt_lookup,
         }
 
     @classmethod
@@ -287,6 +320,7 @@ class Scheduler:
             meta=dict(body.get("meta", {})),
             margin=float(body["margin"]),
             draft_vocab=int(body.get("draft_vocab", 0)),  # absent in files written before it existed
+            prompt_lookup=bool(body.get("prompt_lookup", False)),  # likewise
         )
 
     def save(self, path: str | Path) -> None:

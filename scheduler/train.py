@@ -50,6 +50,7 @@ from boosttune.scheduler.subsets import union_survival
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.draft_vocab import load_ranking
 from boosttune.serving.engine import SpeculativeEngine
+from boosttune.serving.lookup import LOOKUP_NAME
 from boosttune.serving.stops import StopCriteria
 
 REPORT_FORMAT = 1
@@ -72,16 +73,8 @@ def resolve_widths(cfg: SchedulerConfig, tree: dict | None) -> tuple[int, ...]:
     """The expansion widths: the config's, else the run's expansion tree's, else SpecInfer's."""
     if cfg.widths is not None:
         return cfg.widths
-    if (
-        tree
-        and tree.get("kind", "expansion") == "expansion"
-        and len(tree.get("widths", ())) >= cfg.label_depth
-    ):
+    if tree and tree.get("kind", "expansion") == "expansion" and tree.get("widths"):
         return tuple(int(w) for w in tree["widths"])
-    if cfg.label_depth > len(SPECINFER_WIDTHS):
-        raise ValueError(
-            f"scheduler.depths go to {cfg.label_depth}: set scheduler.widths with that many entries"
-        )
     return SPECINFER_WIDTHS
 
 
@@ -135,19 +128,22 @@ def _setup(run: Path, cfg: SchedulerConfig) -> _Setup:
     if cfg.draft_vocab:
         ranking = load_ranking(ensure_draft_ranking(run, model_vocab_size(llm.model)))
     label_tree = TreeConfig(widths=widths[: cfg.label_depth], draft_vocab=cfg.draft_vocab)
-    engine = SpeculativeEngine.from_models(llm.model, [s.model for s in ssms], label_tree, ranking=ranking)
+    lookup = cfg.label_depth if cfg.prompt_lookup else 0
+    engine = SpeculativeEngine.from_models(
+        llm.model, [s.model for s in ssms], label_tree, ranking=ranking, lookup=lookup
+    )
     hidden = int(llm.model.get_output_embeddings().weight.shape[1])
     encoded = [(p.id, encode_prompt(llm.tokenizer, p, chat=cfg.chat)) for p in train_prompts + eval_prompts]
     eos = eos_token_ids(llm)
     _warm_up(engine, encoded[0][1], eos)
-    names = [p.name for p in ssm_paths]
+    names = [p.name for p in ssm_paths] + ([LOOKUP_NAME] if cfg.prompt_lookup else [])
     return _Setup(
         engine=engine,
         names=names,
-        spec=FeatureSpec(hidden_size=hidden, ngram_buckets=cfg.ngram_buckets),
+        spec=FeatureSpec(hidden_size=hidden, ngram_buckets=cfg.ngram_buckets, lookup=cfg.prompt_lookup),
         widths=widths,
         meta={"llm": report["llm"]["ref"], "dtype": dtype, "ssm_dtype": ssm_dtype, "ssms": names,
-              "draft_vocab": cfg.draft_vocab},
+              "draft_vocab": cfg.draft_vocab, "prompt_lookup": cfg.prompt_lookup},
         train_req=encoded[: len(train_prompts)],
         eval_req=encoded[len(train_prompts) :],
         stop=StopCriteria(max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos),
@@ -180,7 +176,7 @@ def train_scheduler(
     with _timed(clock, "labels_s"):
         say(
             f"labelling {len(st.train_req)} train + {len(st.eval_req)} eval requests "
-            f"with {len(st.names)} SSMs "
+            f"with {len(st.names)} drafters ({', '.join(st.names)}) "
             f"at depth {cfg.label_depth}"
         )
         tick = _ticker(say, len(st.train_req) + len(st.eval_req), "labelled")
@@ -190,7 +186,7 @@ def train_scheduler(
         )
     with _timed(clock, "calibration_s"):
         say(
-            f"timing {len(st.names)} SSMs x {len(cfg.depths)} depths and plain decoding "
+            f"timing {len(st.names)} drafters x {len(cfg.depths)} depths and plain decoding "
             f"on {cfg.calib_prompts} prompts"
         )
         merged = [(r.result, r.prompt_tokens) for r in train_rec if r.result is not None]
@@ -239,7 +235,7 @@ def fit_scheduler(
     n, depth = costs.n_ssms, cfg.label_depth
     x = np.stack([r.features.vector() for r in train])
     y = np.stack([union_survival(r.accepts, n, depth).reshape(-1) for r in train])
-    model = fit_linear(x, y, cfg.pca_components, cfg.ridge_alphas)
+    model = fit_linear(x, y, cfg.pca_components, cfg.ridge_alphas, passthrough=spec.head)
     return Scheduler(
         spec=spec,
         model=model,
@@ -251,6 +247,7 @@ def fit_scheduler(
         meta={"label_depth": depth, "train_requests": len(train)},
         margin=cfg.margin,
         draft_vocab=cfg.draft_vocab,
+        prompt_lookup=cfg.prompt_lookup,
     )
 
 

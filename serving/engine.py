@@ -22,7 +22,7 @@ accepted length (full-information labels: one verification scores every branch a
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 
 from boosttune.serving.builders import TreeConfig, merge_trees
 from boosttune.serving.drafter import Drafter, SSMDrafter
+from boosttune.serving.lookup import PromptLookupDrafter, lookup_tree
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams, logits_to_probs, sample
 from boosttune.serving.stops import StopCriteria
@@ -98,8 +99,10 @@ class GenerationResult:
 
 
 TokenCallback = Callable[[list[int]], None]
-RequestPlan = tuple[Sequence[int] | None, TreeConfig | None]
-"""(drafter indices to use or None for all, tree for them or None for their own)."""
+TreeChoice = TreeConfig | Mapping[int, TreeConfig] | None
+"""A tree for every active drafter, one per drafter index (drafters not named keep theirs), or None."""
+RequestPlan = tuple[Sequence[int] | None, TreeChoice]
+"""(drafter indices to use or None for all, trees for them (``TreeChoice``))."""
 PlanHook = Callable[[Tensor], RequestPlan]
 """Called once after the prefill with the (T - 1, H) fp32 last-layer hidden states of the prompt
 without its pending token ((0, H) for a one-token prompt)."""
@@ -114,12 +117,18 @@ class SpeculativeEngine:
 
     @classmethod
     def from_models(
-        cls, llm: PreTrainedModel, ssms: Sequence[PreTrainedModel], tree: TreeConfig, ranking: Tensor | None = None
+        cls, llm: PreTrainedModel, ssms: Sequence[PreTrainedModel], tree: TreeConfig, ranking: Tensor | None = None,
+        lookup: int = 0,
     ) -> SpeculativeEngine:
         """An engine whose SSMs all draft the same tree shape; ``ranking``: the draft vocabulary
-        ranking (``draft_vocab.py``), needed by trees with ``draft_vocab`` > 0."""
+        ranking (``draft_vocab.py``), needed by trees with ``draft_vocab`` > 0; ``lookup`` > 0 adds
+        a prompt-lookup drafter (``lookup.py``) proposing up to that many tokens, after the SSMs."""
         v = llm.get_output_embeddings().weight.shape[0]
-        drafters = [SSMDrafter(ModelRunner(m), tree, i, vocab_size=v, ranking=ranking) for i, m in enumerate(ssms)]
+        drafters: list[Drafter] = [
+            SSMDrafter(ModelRunner(m), tree, i, vocab_size=v, ranking=ranking) for i, m in enumerate(ssms)
+        ]
+        if lookup:
+            drafters.append(PromptLookupDrafter(lookup_tree(lookup), len(drafters), vocab_size=v))
         return cls(ModelRunner(llm), drafters)
 
     def _draft(
@@ -157,7 +166,7 @@ class SpeculativeEngine:
         on_tokens: TokenCallback | None = None,
         *,
         active: Sequence[int] | None = None,
-        tree: TreeConfig | None = None,
+        tree: TreeChoice = None,
         plan: PlanHook | None = None,
         record: bool = False,
     ) -> GenerationResult:
@@ -169,7 +178,8 @@ class SpeculativeEngine:
             sampling: greedy (default) or sampled decoding.
             on_tokens: receives each step's committed tokens.
             active: drafter indices to use for this request (None: all; empty: plain decoding).
-            tree: tree shape for the active drafters during this request (None: their own).
+            tree: tree shape for the active drafters during this request (None: their own), or a
+                mapping from drafter index to its tree (an SSM and prompt lookup read depth differently).
             plan: hook deciding ``(active, tree)`` from the prefill hidden states; overrides both.
             record: log a ``StepRecord`` per step in ``GenerationResult.records``.
         """
@@ -195,15 +205,16 @@ class SpeculativeEngine:
         prefill_s = time.perf_counter() - start - plan_s
         chosen = self._resolve_active(active)
         saved = [
-            (d, d.tree_config) for i, d in enumerate(self.drafters) if i in chosen and hasattr(d, "tree_config")
+            (i, d, d.tree_config) for i, d in enumerate(self.drafters) if i in chosen and hasattr(d, "tree_config")
         ]
         try:
-            for d, _ in saved:
-                if tree is not None:
-                    d.tree_config = tree
+            for i, d, _ in saved:
+                override = tree.get(i) if isinstance(tree, Mapping) else tree
+                if override is not None:
+                    d.tree_config = override
             res = self._loop(committed, stop, sampling, on_tokens, chosen, record)
         finally:
-            for d, own in saved:
+            for _, d, own in saved:
                 d.tree_config = own
         res.wall_time = time.perf_counter() - start
         res.prefill_s, res.plan_s = prefill_s, plan_s

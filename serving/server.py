@@ -36,6 +36,7 @@ from starlette.requests import ClientDisconnect
 
 from boosttune.serving.bundle import LoadedBundle
 from boosttune.serving.engine import GenerationResult, SpeculativeEngine
+from boosttune.serving.lookup import LOOKUP_NAME
 from boosttune.serving.server_metrics import RequestMetricsMiddleware, ServerMetrics
 from boosttune.serving.server_protocol import (
     APIError,
@@ -108,6 +109,7 @@ def load_scheduler(bundle: LoadedBundle):
     from boosttune.scheduler.policy import Scheduler
 
     sched = Scheduler.load(bundle.scheduler_dir / "scheduler.json")
+    sched.check_drafters(len(bundle.ssms))
     log.info("learned scheduler loaded from %s", bundle.scheduler_dir)
     return sched
 
@@ -133,9 +135,12 @@ class _State:
             name=self.model_name, context_length=bundle.context_length,
             vocab_size=model_vocab_size(bundle.llm.model), default_max_tokens=config.default_max_tokens,
         )
-        engine = SpeculativeEngine.from_models(bundle.llm.model, [s.model for s in bundle.ssms], bundle.tree,
-                                               ranking=bundle.ranking)
         self.scheduler = load_scheduler(bundle) if config.use_scheduler else None
+        # a scheduler trained with prompt lookup chooses among the SSMs and a prompt-lookup drafter
+        lookup = self.scheduler.lookup_length if self.scheduler is not None else 0
+        engine = SpeculativeEngine.from_models(bundle.llm.model, [s.model for s in bundle.ssms], bundle.tree,
+                                               ranking=bundle.ranking, lookup=lookup)
+        self.drafter_names = list(bundle.ssm_names) + ([LOOKUP_NAME] if lookup else [])
         self.worker = EngineWorker(engine, config.max_queue, on_finished=self._on_finished,
                                    threads=config.torch_threads, scheduler=self.scheduler)
         self.metrics = ServerMetrics(queue_depth=lambda: self.worker.queue_depth)
@@ -156,12 +161,12 @@ class _State:
         return {
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "boosttune",
             "boosttune": {"llm": b.manifest.llm.ref, "llm_sha256": b.manifest.llm.sha256, "ssms": b.ssm_names,
-                          "tree": asdict(b.tree), "context_length": self.limits.context_length,
+                          "prompt_lookup": LOOKUP_NAME in self.drafter_names, "tree": asdict(b.tree), "context_length": self.limits.context_length,
                           "scheduler": b.manifest.scheduler_dir},
         }
 
     def stats(self, req: GenerationRequest, result: GenerationResult, queue_time: float) -> dict:
-        names = self.bundle.ssm_names
+        names = self.drafter_names
         used = list(range(len(names))) if result.active is None else list(result.active)
         hits = result.proposer_hits
         out = {

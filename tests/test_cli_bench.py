@@ -53,6 +53,22 @@ def test_bench_writes_spec_bench_answers_and_summary(tiny_dirs, tmp_path, capsys
     assert "greedy_identical=3" in capsys.readouterr().out
 
 
+def test_bench_with_prompt_lookup_alone_against_hf_prompt_lookup(tiny_dirs, tmp_path):
+    """No SSM: ours drafts by prompt lookup only; HF's prompt lookup decoding is the peer."""
+    out = tmp_path / "bench"
+    rc = main([
+        "bench", "--llm", str(tiny_dirs / "llm"), "--questions", str(MT_BENCH), "--limit", "3",
+        "--max-new-tokens", "16", "--prompt-lookup", "4", "--methods", "baseline,hf_lookup,ours", "--out", str(out),
+    ])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["prompt_lookup"] == 4 and summary["ssms"] == []
+    assert summary["greedy_identical"] == 3 and summary["hf_lookup_identical"] == 3
+    assert summary["hf_lookup_tokens_per_s"] > 0 and summary["tau"] >= 1.0
+    for method in ["baseline", "hf_lookup", "ours"]:
+        assert len((out / f"{method}.jsonl").read_text().splitlines()) == 3
+
+
 def test_generate_streams_text_and_statistics(tiny_dirs, capsys):
     rc = main(["generate", "--llm", str(tiny_dirs / "llm"), "--ssm", str(tiny_dirs / "ssm"), "Hello there",
                "--max-new-tokens", "10", "--temperature", "0.7", "--seed", "3"])
@@ -67,6 +83,9 @@ def test_bad_input_fails_fast_naming_the_field(tiny_dirs, tmp_path, capsys):
     assert rc == 2 and "--questions" in capsys.readouterr().err
     rc = main(["bench", "--llm", str(tiny_dirs / "llm"), "--questions", str(MT_BENCH), "--out", str(tmp_path / "o")])
     assert rc == 2 and "--ssm" in capsys.readouterr().err
+    rc = main(["bench", "--llm", str(tiny_dirs / "llm"), "--questions", str(MT_BENCH), "--out", str(tmp_path / "o"),
+               "--methods", "baseline,hf_lookup"])
+    assert rc == 2 and "--prompt-lookup" in capsys.readouterr().err
     rc = main(["generate", "--llm", str(tiny_dirs / "llm"), "--ssm", str(tiny_dirs / "ssm"), "hi", "--top-p", "0"])
     assert rc == 2 and "top_p" in capsys.readouterr().err
 

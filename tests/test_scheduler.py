@@ -10,15 +10,16 @@ import pytest
 
 from boosttune.scheduler.config import SchedulerConfig
 from boosttune.scheduler.costs import CostModel, tree_nodes
-from boosttune.scheduler.features import FeatureSpec, RequestFeatures, hashed_ngrams
+from boosttune.scheduler.features import FeatureSpec, RequestFeatures, hashed_ngrams, lookup_hit_rate
 from boosttune.scheduler.labels import RequestRecord
 from boosttune.scheduler.model import fit_linear, make_pipeline
 from boosttune.scheduler.persist import SchedulerFileError, digest
 from boosttune.scheduler.policy import Candidate, Scheduler
 from boosttune.scheduler.subsets import monotone, replay_tau, union_survival
 from boosttune.scheduler.train import fit_scheduler
+from boosttune.serving.builders import TreeConfig
 
-SPEC = FeatureSpec(hidden_size=2, ngram_buckets=1)
+SPEC = FeatureSpec(hidden_size=2, ngram_buckets=1, lookup=False)  # the layout before the lookup feature
 IDS = [5, 6, 7, 8]  # any prompt of >= 2 tokens (the scheduler falls back without a prefill)
 
 
@@ -61,7 +62,7 @@ def synthetic_records() -> list[RequestRecord]:
 
 @pytest.fixture(scope="module")
 def scheduler() -> Scheduler:
-    cfg = SchedulerConfig(prompts="unused", depths=(1, 2), pca_components=4, ridge_alphas=(1e-3,))
+    cfg = SchedulerConfig(prompts="unused", depths=(1, 2), pca_components=4, ridge_alphas=(1e-3,), prompt_lookup=False)
     return fit_scheduler(synthetic_records(), costs(), SPEC, (1, 1), cfg)
 
 
@@ -105,17 +106,19 @@ def test_fitted_scheduler_makes_the_expected_decisions(scheduler):
     assert a.predicted_tokens_per_s == pytest.approx(
         3.0 / 0.042, rel=0.01
     )  # τ / (draft 0.02 + verify(2) 0.022)
-    assert a.tree is not None and a.tree.widths == (1, 1)
+    assert a.trees is not None and set(a.trees) == {0} and a.trees[0].widths == (1, 1)
     assert scheduler.fallback == Candidate(0, 0)  # on these requests no fixed choice beats plain decoding
 
 
 def test_linear_model_equals_the_sklearn_pipeline():
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(20, 7)), rng.normal(size=(20, 5))
-    model = fit_linear(x, y, components=4, alphas=(0.5, 5.0))
-    pipe = make_pipeline(model.components.shape[0], model.alpha).fit(x, y)
-    np.testing.assert_allclose(model.predict(x), pipe.predict(x), rtol=1e-9, atol=1e-12)
-    np.testing.assert_allclose(model.predict(x[3]), pipe.predict(x[3:4])[0], rtol=1e-9, atol=1e-12)
+    for keep in (0, 2):  # without and with features passed by the PCA
+        model = fit_linear(x, y, components=4, alphas=(0.5, 5.0), passthrough=keep)
+        assert model.passthrough == keep and model.coef.shape[1] == keep + model.components.shape[0]
+        pipe = make_pipeline(model.components.shape[0], model.alpha, x.shape[1], keep).fit(x, y)
+        np.testing.assert_allclose(model.predict(x), pipe.predict(x), rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(model.predict(x[3]), pipe.predict(x[3:4])[0], rtol=1e-9, atol=1e-12)
 
 
 def test_a_costly_ssm_with_equal_predicted_gain_is_dropped(scheduler):
@@ -203,6 +206,86 @@ def test_config_from_dict_names_unknown_fields_and_bad_values():
     with pytest.raises(ValueError, match="scheduler.train_fraction"):
         SchedulerConfig(train_fraction=1.5)
     with pytest.raises(ValueError, match="scheduler.widths"):
-        SchedulerConfig(depths=(1, 4), widths=(1, 1))
+        SchedulerConfig(depths=(1, 4), widths=(1, 0))
+    assert SchedulerConfig(depths=(1, 4), widths=(1, 1)).widths == (1, 1)  # SSM depth saturates at 2
     with pytest.raises(ValueError, match="scheduler.real_policies"):
         SchedulerConfig(real_policies=("oracle",))
+
+
+# -- prompt lookup as a drafter to choose -------------------------------------------------------
+def test_lookup_hit_rate_counts_the_tokens_prompt_lookup_would_guess():
+    assert lookup_hit_rate([1, 2, 3, 4]) == 0.0  # nothing repeats
+    # 1 2 3 1 2 3: after "1" (seen before, followed by 2) it guesses 2, then 3: 2 hits of 5
+    assert lookup_hit_rate([1, 2, 3, 1, 2, 3]) == pytest.approx(2 / 5)
+    # the latest occurrence wins: after "1 2 1" the 1-gram "1" was last followed by 2 → guesses 2 (wrong: 5)
+    assert lookup_hit_rate([1, 2, 1, 5]) == pytest.approx(0 / 3)
+    assert lookup_hit_rate([7]) == 0.0
+
+
+def lookup_records(dims: int) -> list[RequestRecord]:
+    """Drafter 0 (an SSM) accepts 1 token per step on every request; drafter 1 (prompt lookup)
+    accepts 3 on requests whose prompt repeats itself (hit rate 0.8) and none on others (0.1).
+    The hidden state is noise in ``dims`` dimensions: only the passed-through scalar tells."""
+    rng = np.random.default_rng(1)
+    out = []
+    for i in range(24):
+        copying = i % 2 == 0
+        f = RequestFeatures(
+            prompt_tokens=40, chat=True, hidden_mean=rng.normal(size=dims).astype(np.float32),
+            ngrams=np.ones(1, np.float32), lookup_hit_rate=(0.8 if copying else 0.1) + 0.01 * (i % 5),
+        )
+        accepts = np.array([[1, 3 if copying else 0]] * 10, dtype=np.int64)
+        out.append(RequestRecord(f"r{i}", f, accepts, new_tokens=40, wall_s=1.0, prefill_s=0.01))
+    return out
+
+
+def test_the_prompt_lookup_feature_steers_the_choice_through_the_pca():
+    """A cheap lookup drafter (chains of up to 3, ~1.2 nodes per step) and an SSM of fixed cost:
+    copying prompts get prompt lookup at depth 3, the others the SSM at depth 1. The deciding
+    scalar sits among 32 noisy hidden dimensions; without passing it by the PCA it would be lost."""
+    dims = 32
+    spec = FeatureSpec(hidden_size=dims, ngram_buckets=1, lookup=True)
+    cost = CostModel(
+        depths=(1, 3), nodes_per_ssm=((1, 3), (0.4, 1.2)), draft_s=((0.004, 0.012), (0.00002, 0.00002)),
+        ssm_prefill_s_per_token=(0.0, 0.0), verify_nodes=(0, 1, 2, 4, 8), verify_s=(0.020, 0.021, 0.022, 0.024, 0.03),
+        overhead_s=(0.0, 0.0),
+    )
+    cfg = SchedulerConfig(prompts="unused", depths=(1, 3), pca_components=2, ridge_alphas=(1e-3,), margin=0.0)
+    records = lookup_records(dims)
+    sched = fit_scheduler(records, cost, spec, (1, 1, 1), cfg)
+    assert sched.model.passthrough == 3
+    for rec in lookup_records(dims)[:6]:  # same kinds, fresh requests' features drawn alike
+        choice = sched.choose(IDS, rec.features)
+        copying = rec.features.lookup_hit_rate > 0.5
+        assert not choice.fallback, choice.reason
+        assert (choice.ssm_indices, choice.depth) == (((1,), 3) if copying else ((0,), 1)), rec.id
+
+
+def test_cost_model_prices_each_drafters_own_tree_size():
+    cost = CostModel(
+        depths=(1, 2), nodes_per_ssm=((1, 2), (0.5, 1.0)), draft_s=((0.01, 0.02), (0.0, 0.0)),
+        ssm_prefill_s_per_token=(0.0, 0.0), verify_nodes=(0, 2, 4), verify_s=(0.02, 0.03, 0.04), overhead_s=(0.0, 0.0),
+    )
+    assert cost.step_cost(0b10, 1) == pytest.approx(0.025)  # 1 node: verify(1) = 0.025
+    assert cost.step_cost(0b11, 1) == pytest.approx(0.02 + 0.03 + 0.005 * 1)  # 3 nodes
+    legacy = CostModel.from_json({**cost.to_json(), "nodes_per_ssm": [1, 2]})  # files before per-drafter sizes
+    assert legacy.nodes_per_ssm == ((1.0, 2.0), (1.0, 2.0))
+    assert CostModel.from_json(cost.to_json()) == cost
+
+
+def test_a_scheduler_for_another_number_of_ssms_is_refused(scheduler):
+    scheduler.check_drafters(2)
+    with pytest.raises(SchedulerFileError, match="trained for 2 SSMs, the bundle has 3"):
+        scheduler.check_drafters(3)
+    with_lookup = Scheduler(SPEC, scheduler.model, scheduler.costs, (1, 1), 30, 6.0, Candidate(0, 0),
+                            prompt_lookup=True)
+    with_lookup.check_drafters(1)  # one SSM and prompt lookup
+    with pytest.raises(SchedulerFileError, match="1 SSMs and prompt lookup, the bundle has 2"):
+        with_lookup.check_drafters(2)
+
+
+def test_ssm_depth_saturates_while_prompt_lookup_drafts_deeper(scheduler):
+    s = Scheduler(SPEC, scheduler.model, scheduler.costs, (1, 1), 30, 6.0, Candidate(0, 0), prompt_lookup=True)
+    trees = s.trees(0b11, 5)  # drafter 0 an SSM with two levels of widths, drafter 1 prompt lookup
+    assert trees[0].widths == (1, 1) and trees[1].widths == (1,) * 5
+    assert s.trees(0b10, 3) == {1: TreeConfig(widths=(1, 1, 1))} and s.trees(0, 0) is None

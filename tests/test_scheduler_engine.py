@@ -45,6 +45,24 @@ def test_drafter_subsets_and_tree_overrides_stay_lossless(models, active):
         assert out.accept_lengths == [1] * 24
 
 
+def test_per_drafter_tree_overrides(models):
+    """A mapping gives each drafter its own tree for one request (the scheduler's SSM and lookup trees)."""
+    llm, ssms = models
+    eng = SpeculativeEngine.from_models(llm, ssms, TreeConfig(widths=(1, 2, 1)), lookup=2)
+    seen = {}
+    drafts = [d.draft for d in eng.drafters]
+    for j, d in enumerate(eng.drafters):
+        def spy(committed, sampling, gen, j=j, d=d):
+            seen[j] = d.tree_config.widths
+            return drafts[j](committed, sampling, gen)
+        d.draft = spy
+    stop = StopCriteria(max_new_tokens=12)
+    out = eng.generate(PROMPT, stop, active=[2, 3], tree={2: TreeConfig(widths=(1,)), 3: TreeConfig(widths=(1,) * 6)})
+    assert out.tokens == incremental_generate(llm, PROMPT, stop).tokens
+    assert seen == {2: (1,), 3: (1,) * 6}
+    assert [d.tree_config.widths for d in eng.drafters] == [(1, 2, 1)] * 3 + [(1, 1)], "overrides last one request"
+
+
 def test_plan_hook_sees_prefill_states_and_chooses(models):
     seen = []
 

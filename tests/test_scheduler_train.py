@@ -78,6 +78,7 @@ def test_train_scheduler_writes_scheduler_and_report(run_dir, capsys):
         "all",
         "single:ssm-1",
         "single:ssm-2",
+        "single:prompt-lookup",
         "best_fixed",
     }
     for name, p in policies.items():
@@ -93,13 +94,17 @@ def test_train_scheduler_writes_scheduler_and_report(run_dir, capsys):
     assert "learned/best fixed" in capsys.readouterr().err
 
     scheduler = Scheduler.load(run_dir / "scheduler" / "scheduler.json")
-    assert scheduler.n_ssms == 2 and scheduler.costs.depths == (1, 2) and scheduler.widths == (1, 2)
+    # two SSMs and prompt lookup (the last drafter, chains of up to the label depth)
+    assert scheduler.n_ssms == 3 and scheduler.costs.depths == (1, 2) and scheduler.widths == (1, 2)
+    assert scheduler.prompt_lookup and scheduler.lookup_length == 2 and scheduler.spec.lookup
+    assert scheduler.model.passthrough == 3  # prompt length, chat, lookup hit rate skip the PCA
     assert scheduler.draft_vocab == 40 and scheduler.tree(2).draft_vocab == 40 and report["llm"]["draft_vocab"] == 40
     assert sorted(p.name for p in (run_dir / "scheduler").iterdir()) == ["complete.json", "scheduler.json"]
     line = (run_dir / "scheduler_labels.jsonl").read_text().splitlines()[0]
-    record = RequestRecord.from_json(json.loads(line), n_ssms=2)
+    record = RequestRecord.from_json(json.loads(line), n_ssms=3)
+    assert record.features.lookup_hit_rate is not None
     choice = scheduler.choose(list(range(record.prompt_tokens)), record.features)
-    assert set(choice.ssm_indices) <= {0, 1} and choice.depth in (0, 1, 2)
+    assert set(choice.ssm_indices) <= {0, 1, 2} and choice.depth in (0, 1, 2)
 
 
 def test_train_scheduler_refuses_bad_configs_by_name(run_dir, tmp_path, capsys):
@@ -131,6 +136,9 @@ def test_server_uses_the_exported_scheduler_and_stays_lossless(run_dir, tmp_path
     bundle = load_bundle(export_bundle(run_dir, tmp_path / "bundle").bundle)
     app = create_app(bundle, ServerConfig(model_name="m", torch_threads=1, warmup=False))
     assert app.state.boosttune.scheduler is not None
+    # the scheduler chooses among the SSMs and prompt lookup: the engine is built with all three
+    assert app.state.boosttune.drafter_names == ["ssm-1", "ssm-2", "prompt-lookup"]
+    assert len(app.state.boosttune.worker.engine.drafters) == 3
     with ServerThread(app) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         r = client.completions.create(model="m", prompt="Name three colours.", max_tokens=10, temperature=0,
@@ -141,4 +149,4 @@ def test_server_uses_the_exported_scheduler_and_stays_lossless(run_dir, tmp_path
     plain = incremental_generate(bundle.llm.model, ids, StopCriteria(max_new_tokens=10, eos_token_ids=eos_token_ids(bundle.llm)))
     assert stats["token_ids"] == plain.tokens
     assert bundle.ranking is not None and app.state.boosttune.scheduler.draft_vocab == 40
-    assert set(stats["ssms"]) <= {"ssm-1", "ssm-2"}  # what the scheduler chose (possibly none)
+    assert set(stats["ssms"]) <= {"ssm-1", "ssm-2", "prompt-lookup"}  # what the scheduler chose (possibly none)

@@ -1,0 +1,104 @@
+"""Prompt lookup: a drafter without a model that copies what followed the last n-gram's earlier use.
+
+Shape legend: T committed tokens, N drafted nodes (a chain), V vocabulary.
+
+When the text being written repeats text already in the context (a passage quoted from the prompt,
+a code block being edited, a name or phrase the model has used before), the tokens that followed
+the previous occurrence of the newest n tokens are a good guess for what comes next. This was
+proposed as "prompt lookup decoding" (A. Saxena, 2023, github.com/apoorvumang/prompt-lookup-decoding;
+also in HF transformers' assisted generation as ``prompt_lookup_num_tokens``) and earlier as LLMA
+(Yang et al., "Inference with Reference", arXiv 2304.04487). It costs microseconds per step, so it
+pays whenever the LLM verifies a few extra tokens for about the price of one (bf16 on this CPU:
+shared/DESIGN.md), and a scheduler can tell from the prompt when to expect copying.
+
+The draft is a chain (one node per depth) of up to ``max_depth`` tokens of the tree it is given
+(``TreeConfig.max_depth``: an expansion tree's widths only set the length here). Its draft
+distribution is one-hot at the proposed token, which the stochastic verifier handles exactly like
+any q: a node is accepted with probability p(x), and on rejection the residual is p without x.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from boosttune.serving.builders import TreeConfig
+from boosttune.serving.sampling import SamplingParams
+from boosttune.serving.tree import TokenTree
+
+LOOKUP_NAME = "prompt-lookup"
+"""How reports, bundles and schedulers name the prompt-lookup drafter."""
+
+
+def lookup_tree(length: int) -> TreeConfig:
+    """The tree a prompt-lookup drafter of chain length ``length`` is given on its own."""
+    if length < 1:
+        raise ValueError(f"prompt lookup length must be >= 1, got {length}")
+    return TreeConfig(widths=(1,) * length)
+
+
+def find_continuation(context: np.ndarray, length: int, max_ngram: int = 3, min_ngram: int = 1) -> np.ndarray:
+    """Up to ``length`` tokens that followed the latest earlier occurrence of the context's last n-gram.
+
+    Tries n = ``max_ngram`` down to ``min_ngram`` and returns at the first n with a match; among
+    matches it takes the latest one that is followed by at least one token. Empty when nothing matches.
+
+    Args:
+        context: (T,) int token ids, the committed text (its last token is the newest).
+        length: most tokens to return.
+    """
+    t = context.shape[0]
+    if length <= 0:
+        return context[:0]
+    for n in range(min(max_ngram, t - 1), min_ngram - 1, -1):
+        starts = t - n  # candidate starts s in [0, t - n): the n-gram at s is followed by context[s + n]
+        hit = np.ones(starts, dtype=bool)
+        for i in range(n):  # hit[s] &= context[s + i] == context[t - n + i]
+            hit &= context[i : i + starts] == context[t - n + i]
+        where = np.flatnonzero(hit)
+        if where.size:
+            s = int(where[-1])
+            return context[s + n : s + n + length]
+    return context[:0]
+
+
+class PromptLookupDrafter:
+    """Drafts a chain copied from the committed text (``find_continuation``); keeps no state."""
+
+    def __init__(
+        self, tree: TreeConfig, index: int, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1
+    ):
+        """``vocab_size``: the LLM's logit width V (the one-hot draft distributions' width)."""
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.tree_config = tree
+        self.index = index
+        self.vocab_size = vocab_size
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def reset(self) -> None:
+        pass
+
+    def draft(self, committed: Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> TokenTree:
+        ctx = committed.detach().cpu().numpy()
+        chain = find_continuation(ctx, self.tree_config.max_depth, self.max_ngram, self.min_ngram)
+        n = int(chain.shape[0])
+        long = dict(dtype=torch.long)
+        q_dists = None
+        if not sampling.greedy:
+            q_dists = torch.zeros(n, self.vocab_size, dtype=torch.float32)
+            q_dists[torch.arange(n), torch.from_numpy(chain).long()] = 1.0
+        return TokenTree(
+            tokens=torch.from_numpy(chain.astype(np.int64)),
+            parents=torch.arange(-1, n - 1, **long),
+            depth=torch.arange(1, n + 1, **long),
+            proposer=torch.full((n,), self.index, **long),
+            q_prob=torch.ones(n, dtype=torch.float32),
+            dist_row=torch.arange(n, **long) if not sampling.greedy else torch.full((n,), -1, **long),
+            q_dists=q_dists,
+        )
+
+    def accept(self, accepted: list[int]) -> None:
+        pass

@@ -1,0 +1,102 @@
+"""Prompt lookup: the n-gram search, and lossless decoding with it (greedy identity, sampled chi-square)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from conftest import perturbed, tiny_llama
+from test_engine_sampling import PARAMS, RUNS, VOCAB, _accept_always, pvalue, sampling_models
+
+import boosttune.serving.engine as engine_mod
+from boosttune.serving.builders import TreeConfig
+from boosttune.serving.decode import incremental_generate
+from boosttune.serving.drafter import SSMDrafter
+from boosttune.serving.engine import SpeculativeEngine
+from boosttune.serving.lookup import PromptLookupDrafter, find_continuation, lookup_tree
+from boosttune.serving.runner import ModelRunner
+from boosttune.serving.sampling import SamplingParams, logits_to_probs
+from boosttune.serving.stops import StopCriteria
+
+
+def cont(ctx, length, **kw) -> list[int]:
+    return find_continuation(np.array(ctx), length, **kw).tolist()
+
+
+def test_find_continuation_prefers_long_ngrams_then_the_latest_match():
+    # last 3 tokens "1 2 3" occurred at the start, followed by 4 5 6
+    assert cont([1, 2, 3, 4, 5, 6, 9, 1, 2, 3], 3) == [4, 5, 6]
+    assert cont([1, 2, 3, 4, 5, 6, 9, 1, 2, 3], 2) == [4, 5]
+    # "3" alone occurred twice before: the latest (followed by 8) wins over the earlier (4)
+    assert cont([3, 4, 0, 3, 8, 3], 2) == [8, 3]
+    # a 2-gram match beats a later 1-gram match
+    assert cont([5, 6, 7, 0, 6, 9, 5, 6], 2) == [7, 0]
+    assert cont([1, 2, 3], 4) == []  # nothing repeats
+    assert cont([4, 4], 3) == [4]  # the match may run into the newest token
+    assert cont([1, 2, 1, 2], 5, max_ngram=1) == [1, 2]  # what followed the earlier "2", to the end
+    assert cont([1, 2, 1], 0) == []
+
+
+def lookup_engine(llm, ssms=(), length=4) -> SpeculativeEngine:
+    v = llm.get_output_embeddings().weight.shape[0]
+    drafters = [SSMDrafter(ModelRunner(s), TreeConfig(widths=(2, 1, 1)), i) for i, s in enumerate(ssms)]
+    drafters.append(PromptLookupDrafter(lookup_tree(length), len(drafters), vocab_size=v))
+    return SpeculativeEngine(ModelRunner(llm), drafters)
+
+
+@pytest.mark.parametrize("with_ssm", [False, True])
+def test_greedy_with_prompt_lookup_matches_incremental(with_ssm):
+    hits = 0
+    for seed in range(5):
+        llm = tiny_llama(seed)
+        ssms = [perturbed(llm, seed + 50, noise=0.2)] if with_ssm else []
+        prompt = ([5, 9, 13, 7, 5, 9] * 3)[: 6 + 2 * seed]  # repeats itself: lookup finds matches
+        stop = StopCriteria(max_new_tokens=40)
+        ref = incremental_generate(llm, prompt, stop)
+        out = lookup_engine(llm, ssms).generate(prompt, stop)
+        assert out.tokens == ref.tokens, seed
+        hits += out.proposer_hits[-1]
+    assert hits > 0, "prompt lookup never had a draft accepted: the test would not exercise it"
+
+
+PROMPT = [2, 3, 1, 2, 3, 1]  # lookup proposes "2 3" after the last "1"
+
+
+def exact_distribution(llm) -> dict[tuple[int, int], float]:
+    params = SamplingParams(**PARAMS)
+    with torch.no_grad():
+        p1 = logits_to_probs(llm(torch.tensor([PROMPT])).logits[0, -1:], params)[0]
+        p2 = logits_to_probs(llm(torch.tensor([PROMPT + [a] for a in range(VOCAB)])).logits[:, -1], params)
+    return {(a, b): float(p1[a] * p2[a, b]) for a, b in itertools.product(range(VOCAB), repeat=2)}
+
+
+def sampled_counts(eng: SpeculativeEngine) -> dict[tuple[int, int], int]:
+    counts = {k: 0 for k in itertools.product(range(VOCAB), repeat=2)}
+    for seed in range(RUNS):
+        out = eng.generate(PROMPT, StopCriteria(max_new_tokens=2), SamplingParams(seed=seed, **PARAMS))
+        counts[tuple(out.tokens)] += 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def models():
+    return sampling_models()
+
+
+@pytest.mark.parametrize("n_ssms", [0, 1])
+def test_sampling_with_prompt_lookup_keeps_the_llm_distribution(models, n_ssms):
+    llm, ssms = models
+    assert cont(PROMPT, 2) == [2, 3]
+    exact = exact_distribution(llm)
+    assert exact[(2, 3)] < 0.5, "the lookup chain must not be the LLM's near-certain choice"
+    pv = pvalue(sampled_counts(lookup_engine(llm, ssms[:n_ssms], length=2)), exact)
+    assert pv > 1e-3, f"chi-square p-value {pv:.2e}: sampled output with prompt lookup does not follow the LLM"
+
+
+def test_negative_control_accepting_lookup_drafts_blindly_fails(models, monkeypatch):
+    llm, _ = models
+    monkeypatch.setattr(engine_mod, "stochastic_verify", _accept_always)
+    pv = pvalue(sampled_counts(lookup_engine(llm, length=2)), exact_distribution(llm))
+    assert pv < 1e-6, f"the wrong verifier passed (p-value {pv:.2e}): the test has no power"
