@@ -196,6 +196,7 @@ def calibrate(
         tokens: tokens generated per calibration run.
         merged_runs: recorded (result, prompt tokens) of labelled runs (every SSM merged), whose
             verification and overhead timings extend the curves to large trees.
+        draft_vocab: the SSM trees' draft vocabulary size (0: whole), as they will be served.
     """
     depths = sorted(depths)
     n = len(engine.drafters)

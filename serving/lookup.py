@@ -47,6 +47,8 @@ def find_continuation(context: np.ndarray, length: int, max_ngram: int = 3, min_
     Args:
         context: (T,) int token ids, the committed text (its last token is the newest).
         length: most tokens to return.
+        max_ngram: longest n-gram of the newest tokens to look for.
+        min_ngram: shortest n-gram tried before giving up.
     """
     t = context.shape[0]
     if length <= 0:

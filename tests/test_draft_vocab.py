@@ -136,8 +136,9 @@ def test_sampling_with_a_draft_vocabulary_keeps_the_llm_distribution():
 
 
 def test_negative_control_accept_always_with_a_draft_vocabulary_fails(monkeypatch):
-    import boosttune.serving.engine as engine_mod
     from test_engine_sampling import _accept_always
+
+    import boosttune.serving.engine as engine_mod
 
     llm, ssms = sampling_models()
     monkeypatch.setattr(engine_mod, "stochastic_verify", _accept_always)
