@@ -93,7 +93,8 @@ def _build() -> tuple[argparse.ArgumentParser, dict]:
                        usage="boosttune generate [BUNDLE] PROMPT [options]")
     _add_model_args(g)
     # With a bundle, --llm overrides where its LLM is and unset tree flags take the bundle's defaults.
-    g.set_defaults(llm=None, tree=None, widths=None, topk=None, depth=None, budget=None, min_prob=None, draft_vocab=None)
+    g.set_defaults(llm=None, tree=None, widths=None, topk=None, depth=None, budget=None, min_prob=None, draft_vocab=None,
+                   prompt_lookup=None)
     g.add_argument("bundle", nargs="?", default=None,
                    help="a bundle from `boosttune export` (its LLM, SSMs and tree); omit it to name --llm/--ssm")
     g.add_argument("prompt", help="the prompt (through the chat template unless --no-chat)")
@@ -144,6 +145,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from boosttune.serving.stops import StopCriteria
 
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    if args.prompt_lookup is not None and args.prompt_lookup < 0:
+        raise ValueError(f"--prompt-lookup must be >= 0 (0 = off), got {args.prompt_lookup}")
     dtype = parse_dtype(args.dtype)
     if args.bundle is not None:
         from boosttune.serving.bundle import load_bundle
@@ -152,6 +155,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise ValueError("--ssm cannot be combined with a bundle: the bundle's SSMs are used")
         bundle = load_bundle(args.bundle, llm=args.llm, dtype=dtype, ssm_dtype=parse_dtype(args.ssm_dtype or args.dtype))
         llm, ssms, tree = bundle.llm, bundle.ssms, _tree(args, bundle.tree)
+        lookup = bundle.manifest.prompt_lookup if args.prompt_lookup is None else args.prompt_lookup
         ranking = bundle.ranking if args.draft_ranking is None else ranking_for(tree.draft_vocab, args.draft_ranking, [])
         if tree.draft_vocab and ranking is None:
             raise ValueError(f"--draft-vocab {tree.draft_vocab}: this bundle has no token ranking; pass --draft-ranking "
@@ -159,13 +163,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         args.llm = args.llm or "default"
         tree = _tree(args)
+        lookup = args.prompt_lookup or 0
         ranking = ranking_for(tree.draft_vocab, args.draft_ranking, _ssm_refs(args))  # before any model loads
         llm, ssms = load_llm_and_ssms(args.llm, _ssm_refs(args), dtype, parse_dtype(args.ssm_dtype or args.dtype))
     tok = llm.tokenizer
     ids = encode_prompt(tok, args.prompt, chat=not args.no_chat)
     eos = eos_token_ids(llm)
     engine = SpeculativeEngine.from_models(
-        llm.model, [s.model for s in ssms], tree, ranking=ranking, lookup=args.prompt_lookup
+        llm.model, [s.model for s in ssms], tree, ranking=ranking, lookup=lookup
     )
     shown: list[int] = []
     printed = ""

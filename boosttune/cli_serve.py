@@ -18,6 +18,9 @@ def add_commands(sub) -> dict:
     e.add_argument("--draft-vocab", type=int, default=None, metavar="K",
                    help="SSMs draft over the K tokens the LLM writes most (cheaper drafts; 0: whole vocabulary; "
                         "default: the run's tree)")
+    e.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                   help="serve with a prompt-lookup drafter proposing up to N tokens when no learned scheduler "
+                        "decides (no scheduler in the bundle, or serve --no-scheduler); 0 = off")
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     s.add_argument("bundle", metavar="BUNDLE", help="a bundle written by `boosttune export`")
@@ -34,7 +37,8 @@ def add_commands(sub) -> dict:
     s.add_argument("--threads", type=int, default=None,
                    help="torch threads of the engine (default: torch's; 1 is best on a CPU shared with other jobs)")
     s.add_argument("--no-scheduler", action="store_true",
-                   help="ignore the bundle's learned scheduler: every request drafts with all SSMs")
+                   help="ignore the bundle's learned scheduler: every request drafts with all SSMs "
+                        "(and prompt lookup if the bundle was exported with --prompt-lookup)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return {"export": cmd_export, "serve": cmd_serve}
 
@@ -44,14 +48,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if args.draft_vocab is not None and args.draft_vocab < 0:
         raise ValueError(f"--draft-vocab must be >= 0 (0 = the whole vocabulary), got {args.draft_vocab}")
-    res = export_bundle(args.run_dir, args.out, force=args.force, draft_vocab=args.draft_vocab)
+    res = export_bundle(args.run_dir, args.out, force=args.force, draft_vocab=args.draft_vocab,
+                        prompt_lookup=args.prompt_lookup)
     m = res.manifest
     sched = m["scheduler"]["dir"] if m["scheduler"] else "none"
     k = m["tree"].get("draft_vocab", 0)
     print(
         f"bundle {res.bundle}: LLM {m['llm']['ref']} (sha256 {m['llm']['sha256'][:12]}), "
         f"SSMs {', '.join(s['name'] for s in m['ssms'])}, scheduler {sched}, "
-        f"draft vocabulary {k or 'whole'}, {len(m['files'])} files, {res.total_bytes / 1e6:.1f} MB"
+        f"draft vocabulary {k or 'whole'}, prompt lookup {m['prompt_lookup'] or 'off'}, {len(m['files'])} files, {res.total_bytes / 1e6:.1f} MB"
     )
     return 0
 

@@ -146,7 +146,8 @@ def _draft_ranking(run: Path, llm_dir: Path) -> Path | None:
 
 
 def export_bundle(
-    run_dir: str | Path, out: str | Path, force: bool = False, draft_vocab: int | None = None
+    run_dir: str | Path, out: str | Path, force: bool = False, draft_vocab: int | None = None,
+    prompt_lookup: int = 0,
 ) -> ExportResult:
     """Write the bundle of a training run.
 
@@ -155,6 +156,8 @@ def export_bundle(
         out: the bundle directory to create; must not exist (or be empty) unless ``force``.
         force: replace an existing ``out``.
         draft_vocab: the bundle tree's draft vocabulary size (None: the run's tree's; 0: whole).
+        prompt_lookup: the bundle's default prompt-lookup chain length (``serving/lookup.py``), used
+            when no learned scheduler decides (0: off).
     """
     from transformers import AutoTokenizer
 
@@ -169,6 +172,8 @@ def export_bundle(
         raise ValueError(f"--out {out} exists and is not empty; choose another directory or pass --force")
     if out.resolve() == run.resolve() or run.resolve() in out.resolve().parents:
         raise ValueError(f"--out {out} is inside the run directory; write the bundle elsewhere")
+    if prompt_lookup < 0:
+        raise ValueError(f"--prompt-lookup must be >= 0 (0 = off), got {prompt_lookup}")
     tree = _tree(report, run)
     if draft_vocab is not None:
         try:
@@ -223,6 +228,7 @@ def export_bundle(
             "ssms": ssms,
             "scheduler": scheduler,
             "draft_vocab": ranking.name if ranking is not None else None,
+            "prompt_lookup": int(prompt_lookup),
             "tree": {"kind": tree.kind, "widths": list(tree.widths), "topk": tree.topk, "depth": tree.depth,
                      "budget": tree.budget, "min_prob": tree.min_prob, "draft_vocab": tree.draft_vocab},
             "files": _file_table(tmp),

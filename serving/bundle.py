@@ -19,6 +19,7 @@ A bundle is written by ``boosttune export`` (``boosttune/export.py``) from a tra
                "stats": path, "acceptance_profile": path | null, "report": {the run's stage entry}}],
      "scheduler": {"dir": "scheduler", "files": [path]} | null,
      "draft_vocab": "draft_vocab.json" | null,   (absent in older bundles: null)
+     "prompt_lookup": int,                        (prompt-lookup chain length, 0 = off; absent: 0)
      "tree": {TreeConfig fields},
      "files": {path: {"sha256": str, "size": int}}}
 
@@ -162,6 +163,7 @@ class Manifest:
     tree: TreeConfig
     files: dict[str, FileEntry]
     draft_vocab: str | None = None
+    prompt_lookup: int = 0
 
 
 def _where(path: str) -> str:
@@ -249,12 +251,16 @@ def parse_manifest(data: Any) -> Manifest:
     if tree.draft_vocab and draft_vocab is None:
         raise BundleError(f"{_where('tree.draft_vocab')} is {tree.draft_vocab} but the bundle has no draft_vocab "
                           "ranking; re-export it")
+    prompt_lookup = _field(data, "prompt_lookup", int, "", optional=True) or 0
+    if prompt_lookup < 0:
+        raise BundleError(f"{_where('prompt_lookup')} must be >= 0 (0 = off), got {prompt_lookup}; re-export the bundle")
     versions = _field(data, "versions", dict, "", optional=True) or {}
     return Manifest(
         format=fmt, created=str(data.get("created", "")), source_run=str(data.get("source_run", "")),
         versions={str(k): str(v) for k, v in versions.items()}, llm=llm,
         tokenizer=_rel_path(_field(data, "tokenizer", str, ""), "tokenizer"), ssms=ssms,
         scheduler_dir=sched_dir, scheduler_files=sched_files, tree=tree, files=files, draft_vocab=draft_vocab,
+        prompt_lookup=prompt_lookup,
     )
 
 

@@ -136,8 +136,9 @@ class _State:
             vocab_size=model_vocab_size(bundle.llm.model), default_max_tokens=config.default_max_tokens,
         )
         self.scheduler = load_scheduler(bundle) if config.use_scheduler else None
-        # a scheduler trained with prompt lookup chooses among the SSMs and a prompt-lookup drafter
-        lookup = self.scheduler.lookup_length if self.scheduler is not None else 0
+        # a scheduler trained with prompt lookup chooses among the SSMs and a prompt-lookup drafter;
+        # without a scheduler the bundle's default (export --prompt-lookup) applies
+        lookup = self.scheduler.lookup_length if self.scheduler is not None else bundle.manifest.prompt_lookup
         engine = SpeculativeEngine.from_models(bundle.llm.model, [s.model for s in bundle.ssms], bundle.tree,
                                                ranking=bundle.ranking, lookup=lookup)
         self.drafter_names = list(bundle.ssm_names) + ([LOOKUP_NAME] if lookup else [])

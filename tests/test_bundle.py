@@ -261,3 +261,31 @@ def test_export_of_a_draft_vocabulary_needs_the_run_ranking(tmp_path):
     with pytest.raises(ValueError, match="--draft-vocab 8"):
         export_bundle(bare, tmp_path / "b", draft_vocab=8)
     assert _manifest(export_bundle(bare, tmp_path / "b").bundle)["draft_vocab"] is None
+
+
+def test_bundle_default_prompt_lookup_serves_without_a_scheduler(tmp_path):
+    """`export --prompt-lookup N` makes the server (no scheduler) draft with prompt lookup too."""
+    from boosttune.serving.decode import incremental_generate
+    from boosttune.serving.lookup import PromptLookupDrafter
+    from boosttune.serving.server import ServerConfig, create_app
+    from boosttune.serving.stops import StopCriteria
+
+    bare = make_run_dir(tmp_path / "run", n_ssms=1, scheduler=False)
+    out = export_bundle(bare, tmp_path / "b", prompt_lookup=4).bundle
+    assert _manifest(out)["prompt_lookup"] == 4
+    b = load_bundle(out)
+    assert b.manifest.prompt_lookup == 4
+    state = create_app(b, ServerConfig(model_name="m", torch_threads=1, warmup=False)).state.boosttune
+    assert state.scheduler is None and state.drafter_names == ["ssm-1", "prompt-lookup"]
+    engine = state.worker.engine
+    assert isinstance(engine.drafters[-1], PromptLookupDrafter) and engine.drafters[-1].tree_config.max_depth == 4
+    ids = b.llm.tokenizer("the cat sat on the mat and the cat sat on the")["input_ids"]
+    stop = StopCriteria(max_new_tokens=16)
+    assert engine.generate(ids, stop).tokens == incremental_generate(b.llm.model, ids, stop).tokens
+    with pytest.raises(ValueError, match="--prompt-lookup"):
+        export_bundle(bare, tmp_path / "b2", prompt_lookup=-1)
+    m = _manifest(out)
+    m["prompt_lookup"] = -2
+    _write_manifest(out, m)
+    with pytest.raises(BundleError, match="prompt_lookup"):
+        verify_bundle(out)
