@@ -91,26 +91,12 @@ class BenchConfig:
             find_ranking(self.draft_ranking, self.ssms)
 
 
-def _hf_assisted(llm: LoadedModel, ssm: LoadedModel, ids: list[int], stop: StopCriteria) -> GenerationResult:
-    """HF transformers assisted generation (greedy), the peer in every table."""
+def _hf_generate(llm: LoadedModel, ids: list[int], stop: StopCriteria, **assist) -> GenerationResult:
+    """HF transformers greedy ``generate`` with ``assist`` (an assistant model or prompt lookup): the peers."""
     start = time.perf_counter()
     inp = torch.tensor([ids], device=llm.model.device)
     out = llm.model.generate(
-        inp, attention_mask=torch.ones_like(inp), assistant_model=ssm.model, do_sample=False,
-        max_new_tokens=stop.max_new_tokens, eos_token_id=sorted(stop.eos_token_ids) or None,
-        pad_token_id=llm.tokenizer.pad_token_id or llm.tokenizer.eos_token_id,
-    )
-    new = out[0, len(ids):].tolist()
-    new, finish = stop.cut([], new)
-    return GenerationResult(new, [], time.perf_counter() - start, finish or "length")
-
-
-def _hf_lookup(llm: LoadedModel, ids: list[int], stop: StopCriteria, tokens: int) -> GenerationResult:
-    """HF transformers prompt lookup decoding (greedy, ``prompt_lookup_num_tokens``), our lookup's peer."""
-    start = time.perf_counter()
-    inp = torch.tensor([ids], device=llm.model.device)
-    out = llm.model.generate(
-        inp, attention_mask=torch.ones_like(inp), prompt_lookup_num_tokens=tokens, do_sample=False,
+        inp, attention_mask=torch.ones_like(inp), do_sample=False, **assist,
         max_new_tokens=stop.max_new_tokens, eos_token_id=sorted(stop.eos_token_ids) or None,
         pad_token_id=llm.tokenizer.pad_token_id or llm.tokenizer.eos_token_id,
     )
@@ -154,8 +140,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     def runners(stop: StopCriteria) -> dict[str, Callable[[list[int]], GenerationResult]]:
         return {
             "baseline": lambda ids: incremental_generate(llm.model, ids, stop),
-            "hf_assisted": lambda ids: _hf_assisted(llm, ssms[0], ids, stop),
-            "hf_lookup": lambda ids: _hf_lookup(llm, ids, stop, cfg.prompt_lookup),
+            "hf_assisted": lambda ids: _hf_generate(llm, ids, stop, assistant_model=ssms[0].model),
+            "hf_lookup": lambda ids: _hf_generate(llm, ids, stop, prompt_lookup_num_tokens=cfg.prompt_lookup),
             "ours": lambda ids: engine.generate(ids, stop),
         }
 

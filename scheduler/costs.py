@@ -136,6 +136,15 @@ class CostModel:
         )
 
 
+def depth_trees(
+    indices: Sequence[int], depth: int, widths: Sequence[int], draft_vocab: int, lookup: int
+) -> dict[int, TreeConfig]:
+    """Each drafter's tree at ``depth``: an SSM drafts ``widths[:depth]``, the prompt-lookup drafter
+    (index ``lookup``; -1: none) a chain of up to ``depth`` tokens."""
+    ssm = TreeConfig(widths=tuple(widths[:depth]), draft_vocab=draft_vocab)
+    return {j: lookup_tree(depth) if j == lookup else ssm for j in indices}
+
+
 def tree_nodes(widths: Sequence[int], depth: int) -> int:
     """Nodes of an expansion tree cut to ``widths[:depth]`` (a node at depth d-1 has widths[d-1] children)."""
     total, level = 0, 1
@@ -200,16 +209,16 @@ def calibrate(
     """
     depths = sorted(depths)
     n = len(engine.drafters)
+    lookup = next((j for j, d in enumerate(engine.drafters) if isinstance(d, PromptLookupDrafter)), -1)
     samples = _Samples({}, {}, {}, {}, {})
     stop = StopCriteria(max_new_tokens=tokens)
     for ids in prompts:
         res = engine.generate(ids, stop, active=[], record=True)
         samples.add_run(res, len(ids), None)
         for k in depths:
-            tree = TreeConfig(widths=tuple(widths[:k]), draft_vocab=draft_vocab)
-            for j, drafter in enumerate(engine.drafters):
-                own = lookup_tree(k) if isinstance(drafter, PromptLookupDrafter) else tree
-                res = engine.generate(ids, stop, active=[j], tree=own, record=True)
+            trees = depth_trees(range(n), k, widths, draft_vocab, lookup)
+            for j in range(n):
+                res = engine.generate(ids, stop, active=[j], tree=trees, record=True)
                 samples.add_run(res, len(ids), k)
     for res, prompt_tokens in merged_runs:
         samples.add_run(res, prompt_tokens, None)

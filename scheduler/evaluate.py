@@ -23,7 +23,7 @@ import numpy as np
 from boosttune.scheduler.costs import CostModel
 from boosttune.scheduler.labels import RequestRecord
 from boosttune.scheduler.policy import Candidate, Choice, Scheduler, candidates
-from boosttune.scheduler.subsets import all_masks, replay_tau
+from boosttune.scheduler.subsets import all_masks, members, replay_tau
 from boosttune.serving.engine import GenerationResult, SpeculativeEngine
 from boosttune.serving.stops import StopCriteria
 
@@ -147,7 +147,7 @@ def run_policy(
     res = engine.generate(
         ids,
         stop,
-        active=[j for j in range(scheduler.n_ssms) if cand.mask >> j & 1],
+        active=list(members(cand.mask)),
         tree=scheduler.trees(cand.mask, cand.depth),
         record=True,
     )

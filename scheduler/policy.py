@@ -30,14 +30,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from boosttune.scheduler.costs import CostModel
+from boosttune.scheduler.costs import CostModel, depth_trees
 from boosttune.scheduler.features import FeatureSpec, RequestFeatures, request_features
 from boosttune.scheduler.model import LinearModel
 from boosttune.scheduler.persist import SchedulerFileError, read_scheduler_file, write_scheduler_file
 from boosttune.scheduler.subsets import all_masks, mask_of, members, monotone
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.engine import PlanHook, RequestPlan
-from boosttune.serving.lookup import lookup_tree
 
 
 @dataclass(frozen=True)
@@ -209,16 +208,12 @@ class Scheduler:
     def table(self) -> CandidateTable:
         return candidate_table(self.costs)
 
-    def tree(self, depth: int) -> TreeConfig | None:
-        """An SSM's tree at ``depth`` (``widths[:depth]``; None for plain decoding)."""
-        return TreeConfig(widths=self.widths[:depth], draft_vocab=self.draft_vocab) if depth else None
-
     def trees(self, mask: int, depth: int) -> dict[int, TreeConfig] | None:
         """Each drafter of ``mask``'s tree at ``depth``: SSMs ``tree(depth)``, prompt lookup a chain of ``depth``."""
         if not mask:
             return None
         lookup = self.n_ssms - 1 if self.prompt_lookup else -1
-        return {j: lookup_tree(depth) if j == lookup else self.tree(depth) for j in members(mask)}
+        return depth_trees(members(mask), depth, self.widths, self.draft_vocab, lookup)
 
     def survival(self, features: RequestFeatures) -> np.ndarray:
         """(M, D) predicted survival, projected onto valid curves."""

@@ -88,17 +88,18 @@ class PromptLookupDrafter:
         chain = find_continuation(ctx, self.tree_config.max_depth, self.max_ngram, self.min_ngram)
         n = int(chain.shape[0])
         long = dict(dtype=torch.long)
-        q_dists = None
-        if not sampling.greedy:
+        q_dists, dist_row = None, torch.full((n,), -1, **long)  # greedy verification reads no q
+        if not sampling.greedy:  # one-hot rows, one per node
             q_dists = torch.zeros(n, self.vocab_size, dtype=torch.float32)
             q_dists[torch.arange(n), torch.from_numpy(chain).long()] = 1.0
+            dist_row = torch.arange(n, **long)
         return TokenTree(
             tokens=torch.from_numpy(chain.astype(np.int64)),
             parents=torch.arange(-1, n - 1, **long),
             depth=torch.arange(1, n + 1, **long),
             proposer=torch.full((n,), self.index, **long),
             q_prob=torch.ones(n, dtype=torch.float32),
-            dist_row=torch.arange(n, **long) if not sampling.greedy else torch.full((n,), -1, **long),
+            dist_row=dist_row,
             q_dists=q_dists,
         )
 

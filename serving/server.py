@@ -141,6 +141,7 @@ class _State:
         lookup = self.scheduler.lookup_length if self.scheduler is not None else bundle.manifest.prompt_lookup
         engine = SpeculativeEngine.from_models(bundle.llm.model, [s.model for s in bundle.ssms], bundle.tree,
                                                ranking=bundle.ranking, lookup=lookup)
+        self.lookup = lookup
         self.drafter_names = list(bundle.ssm_names) + ([LOOKUP_NAME] if lookup else [])
         self.worker = EngineWorker(engine, config.max_queue, on_finished=self._on_finished,
                                    threads=config.torch_threads, scheduler=self.scheduler)
@@ -162,7 +163,8 @@ class _State:
         return {
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "boosttune",
             "boosttune": {"llm": b.manifest.llm.ref, "llm_sha256": b.manifest.llm.sha256, "ssms": b.ssm_names,
-                          "prompt_lookup": LOOKUP_NAME in self.drafter_names, "tree": asdict(b.tree), "context_length": self.limits.context_length,
+                          "prompt_lookup": self.lookup, "tree": asdict(b.tree),
+                          "context_length": self.limits.context_length,
                           "scheduler": b.manifest.scheduler_dir},
         }
 

@@ -26,20 +26,20 @@ PARAMS = dict(temperature=0.9, top_k=4)
 RUNS = 2000
 
 
-def exact_distribution(llm) -> dict[tuple[int, int], float]:
+def exact_distribution(llm, prompt: list[int] = PROMPT) -> dict[tuple[int, int], float]:
     params = SamplingParams(**PARAMS)
     with torch.no_grad():
-        p1 = logits_to_probs(llm(torch.tensor([PROMPT])).logits[0, -1:], params)[0]
-        seqs = torch.tensor([PROMPT + [a] for a in range(VOCAB)])
+        p1 = logits_to_probs(llm(torch.tensor([prompt])).logits[0, -1:], params)[0]
+        seqs = torch.tensor([prompt + [a] for a in range(VOCAB)])
         p2 = logits_to_probs(llm(seqs).logits[:, -1], params)  # (V, V)
     return {(a, b): float(p1[a] * p2[a, b]) for a, b in itertools.product(range(VOCAB), repeat=2)}
 
 
-def run_engine(eng: SpeculativeEngine) -> dict[tuple[int, int], int]:
+def run_engine(eng: SpeculativeEngine, prompt: list[int] = PROMPT) -> dict[tuple[int, int], int]:
     counts = {k: 0 for k in itertools.product(range(VOCAB), repeat=2)}
     stop = StopCriteria(max_new_tokens=2)
     for seed in range(RUNS):
-        out = eng.generate(PROMPT, stop, SamplingParams(seed=seed, **PARAMS))
+        out = eng.generate(prompt, stop, SamplingParams(seed=seed, **PARAMS))
         counts[tuple(out.tokens)] += 1
     return counts
 

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
-import torch
 from conftest import perturbed, tiny_llama
-from test_engine_sampling import PARAMS, RUNS, VOCAB, _accept_always, pvalue, sampling_models
+from test_engine_sampling import _accept_always, exact_distribution, pvalue, run_engine, sampling_models
 
 import boosttune.serving.engine as engine_mod
 from boosttune.serving.builders import TreeConfig
@@ -17,7 +14,6 @@ from boosttune.serving.drafter import SSMDrafter
 from boosttune.serving.engine import SpeculativeEngine
 from boosttune.serving.lookup import PromptLookupDrafter, find_continuation, lookup_tree
 from boosttune.serving.runner import ModelRunner
-from boosttune.serving.sampling import SamplingParams, logits_to_probs
 from boosttune.serving.stops import StopCriteria
 
 
@@ -64,22 +60,6 @@ def test_greedy_with_prompt_lookup_matches_incremental(with_ssm):
 PROMPT = [2, 3, 1, 2, 3, 1]  # lookup proposes "2 3" after the last "1"
 
 
-def exact_distribution(llm) -> dict[tuple[int, int], float]:
-    params = SamplingParams(**PARAMS)
-    with torch.no_grad():
-        p1 = logits_to_probs(llm(torch.tensor([PROMPT])).logits[0, -1:], params)[0]
-        p2 = logits_to_probs(llm(torch.tensor([PROMPT + [a] for a in range(VOCAB)])).logits[:, -1], params)
-    return {(a, b): float(p1[a] * p2[a, b]) for a, b in itertools.product(range(VOCAB), repeat=2)}
-
-
-def sampled_counts(eng: SpeculativeEngine) -> dict[tuple[int, int], int]:
-    counts = {k: 0 for k in itertools.product(range(VOCAB), repeat=2)}
-    for seed in range(RUNS):
-        out = eng.generate(PROMPT, StopCriteria(max_new_tokens=2), SamplingParams(seed=seed, **PARAMS))
-        counts[tuple(out.tokens)] += 1
-    return counts
-
-
 @pytest.fixture(scope="module")
 def models():
     return sampling_models()
@@ -89,14 +69,14 @@ def models():
 def test_sampling_with_prompt_lookup_keeps_the_llm_distribution(models, n_ssms):
     llm, ssms = models
     assert cont(PROMPT, 2) == [2, 3]
-    exact = exact_distribution(llm)
+    exact = exact_distribution(llm, PROMPT)
     assert exact[(2, 3)] < 0.5, "the lookup chain must not be the LLM's near-certain choice"
-    pv = pvalue(sampled_counts(lookup_engine(llm, ssms[:n_ssms], length=2)), exact)
+    pv = pvalue(run_engine(lookup_engine(llm, ssms[:n_ssms], length=2), PROMPT), exact)
     assert pv > 1e-3, f"chi-square p-value {pv:.2e}: sampled output with prompt lookup does not follow the LLM"
 
 
 def test_negative_control_accepting_lookup_drafts_blindly_fails(models, monkeypatch):
     llm, _ = models
     monkeypatch.setattr(engine_mod, "stochastic_verify", _accept_always)
-    pv = pvalue(sampled_counts(lookup_engine(llm, length=2)), exact_distribution(llm))
+    pv = pvalue(run_engine(lookup_engine(llm, length=2), PROMPT), exact_distribution(llm, PROMPT))
     assert pv < 1e-6, f"the wrong verifier passed (p-value {pv:.2e}): the test has no power"

@@ -289,3 +289,15 @@ def test_ssm_depth_saturates_while_prompt_lookup_drafts_deeper(scheduler):
     trees = s.trees(0b11, 5)  # drafter 0 an SSM with two levels of widths, drafter 1 prompt lookup
     assert trees[0].widths == (1, 1) and trees[1].widths == (1,) * 5
     assert s.trees(0b10, 3) == {1: TreeConfig(widths=(1, 1, 1))} and s.trees(0, 0) is None
+
+
+def test_lookup_hit_rate_agrees_with_the_drafters_own_search():
+    """The O(T) feature must count exactly what ``find_continuation`` (the drafter) would guess."""
+    from boosttune.serving.lookup import find_continuation
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        ids = rng.integers(0, 5, size=int(rng.integers(1, 40))).tolist()
+        guesses = [find_continuation(np.array(ids[:t]), 1) for t in range(1, len(ids))]
+        hits = sum(g.size > 0 and g[0] == ids[t] for t, g in enumerate(guesses, start=1))
+        assert lookup_hit_rate(ids) == pytest.approx(hits / max(1, len(ids) - 1)), ids

@@ -98,7 +98,7 @@ def test_train_scheduler_writes_scheduler_and_report(run_dir, capsys):
     assert scheduler.n_ssms == 3 and scheduler.costs.depths == (1, 2) and scheduler.widths == (1, 2)
     assert scheduler.prompt_lookup and scheduler.lookup_length == 2 and scheduler.spec.lookup
     assert scheduler.model.passthrough == 3  # prompt length, chat, lookup hit rate skip the PCA
-    assert scheduler.draft_vocab == 40 and scheduler.tree(2).draft_vocab == 40 and report["llm"]["draft_vocab"] == 40
+    assert scheduler.draft_vocab == 40 and scheduler.trees(0b1, 2)[0].draft_vocab == 40 and report["llm"]["draft_vocab"] == 40
     assert sorted(p.name for p in (run_dir / "scheduler").iterdir()) == ["complete.json", "scheduler.json"]
     line = (run_dir / "scheduler_labels.jsonl").read_text().splitlines()[0]
     record = RequestRecord.from_json(json.loads(line), n_ssms=3)
