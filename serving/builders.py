@@ -43,6 +43,10 @@ class TreeConfig:
         draft_vocab: SSMs compute logits over the first K tokens of the draft ranking only
             (``draft_vocab.py``; K rows of the LM head instead of V); 0 keeps the whole vocabulary.
             Tokens outside it get q = 0, which verification handles exactly.
+        ngram_depths: prompt lookup only (``lookup.py``): the chain length after a match of the newest
+            n tokens, n = 1 .. len (longer matches use the last entry), each capped at the tree's
+            depth; 0 drafts nothing after such a match; empty: always the tree's depth. Set per
+            request by a learned scheduler (``scheduler/stepwise.py``).
     """
 
     kind: str = "expansion"
@@ -52,6 +56,7 @@ class TreeConfig:
     budget: int = 32
     min_prob: float = 0.0
     draft_vocab: int = 0
+    ngram_depths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in TREE_POLICIES:
@@ -63,6 +68,9 @@ class TreeConfig:
             raise ValueError(f"tree min_prob must be in [0, 1), got {self.min_prob}")
         if self.draft_vocab < 0:
             raise ValueError(f"tree draft_vocab must be >= 0 (0 = the whole vocabulary), got {self.draft_vocab}")
+        object.__setattr__(self, "ngram_depths", tuple(int(k) for k in self.ngram_depths))
+        if any(k < 0 for k in self.ngram_depths):
+            raise ValueError(f"tree ngram_depths must be >= 0 (0: draft nothing), got {self.ngram_depths}")
         for name in ("topk", "depth", "budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"tree {name} must be >= 1, got {getattr(self, name)}")
@@ -83,7 +91,9 @@ def choose_children(q: Tensor, width: int, greedy: bool, generator: torch.Genera
     if greedy:
         tokens = torch.topk(q, w, dim=-1).indices  # (F, W)
         return tokens, torch.ones_like(tokens, dtype=torch.bool)
-    u = torch.rand(q.shape, generator=generator, device=q.device).clamp_(min=1e-20)
+    # draw on the generator's device (the request's stream), then bring the noise to q
+    dev = q.device if generator is None else generator.device
+    u = torch.rand(q.shape, generator=generator, device=dev).to(q.device).clamp_(min=1e-20)
     keys = q.log() - (-u.log()).log()  # log q + Gumbel noise; -inf where q = 0
     top = torch.topk(keys, w, dim=-1)
     return top.indices, torch.isfinite(top.values)
@@ -168,7 +178,8 @@ def merge_trees(trees: list[TokenTree], dedupe: bool) -> tuple[TokenTree, list[T
         tokens=torch.tensor(tokens, **long), parents=torch.tensor(parents, **long),
         depth=torch.tensor(depth, **long), proposer=torch.tensor(proposer, **long),
         q_prob=torch.tensor(q_prob, dtype=torch.float32), dist_row=torch.tensor(dist_row, **long),
-        q_dists=torch.cat(dists) if dists else None,
+        # drafters may hold q on different devices (prompt lookup builds its own on the host)
+        q_dists=torch.cat([d.to(dists[0].device) for d in dists]) if dists else None,
     )
     return merged, maps
 

@@ -29,7 +29,7 @@ def incremental_generate(
     """One LLM forward per token; greedy or sampled with the same processing as the engine."""
     sampling = sampling or SamplingParams()
     start = time.perf_counter()
-    gen = sampling.generator()
+    gen = sampling.generator(model.device)
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     cache = DynamicCache(config=model.config)
     ids = torch.tensor([list(prompt_ids)], device=model.device)

@@ -40,6 +40,20 @@ class Drafter(Protocol):
         ...
 
 
+def draft_probs(logits: Tensor, sampling: SamplingParams) -> Tensor:
+    """(R, V) SSM logits → the (R, V) distribution a tree is drafted from.
+
+    Sampling: the processed distribution the children are drawn from (stochastic verification needs
+    exactly that q). Greedy: the SSM's plain softmax. Greedy verification reads no q, and the
+    processed greedy distribution is one-hot, whose top-w for w > 1 would be the argmax plus w - 1
+    arbitrary zero-probability tokens and whose cumulative probabilities (``min_prob``, the dynamic
+    tree's ranking) would be all 0 or 1; the softmax ranks the SSM's real next-best guesses.
+    """
+    if sampling.greedy:
+        return torch.softmax(logits.float(), dim=-1)
+    return logits_to_probs(logits, sampling)
+
+
 class SSMDrafter:
     """A small causal LM that drafts a tree depth by depth (one forward per depth)."""
 
@@ -100,7 +114,7 @@ class SSMDrafter:
         t = committed.shape[0]
         self._committed_len = t
         self._sync_head()
-        q_root = logits_to_probs(self._catch_up(committed).unsqueeze(0), sampling)  # (1, V)
+        q_root = draft_probs(self._catch_up(committed).unsqueeze(0), sampling)  # (1, V)
 
         tokens, parents, q_prob, dist_row = [], [], [], []
         cum, depths = [], []
@@ -114,11 +128,15 @@ class SSMDrafter:
                 width = cfg.topk
                 if d > 0:
                     sel = select_frontier(cum_frontier, cfg.topk)
-                    frontier, q_frontier, cum_frontier = frontier[sel], q_frontier[sel], cum_frontier[sel]
+                    frontier, cum_frontier = frontier[sel], cum_frontier[sel]
+                    q_frontier = q_frontier[sel.to(q_frontier.device)]
             else:
                 width = cfg.widths[d]
             child_tok, valid = choose_children(q_frontier, width, greedy, generator)  # (F, W)
             child_q = q_frontier.gather(1, child_tok)  # (F, W)
+            # the tree's bookkeeping lives on the host (its lists sync anyway): bring the small
+            # (F, W) choices over once per depth; no copy when the SSM runs on the CPU
+            child_tok, valid, child_q = child_tok.cpu(), valid.cpu(), child_q.cpu()
             if not greedy:
                 rows = torch.arange(len(dists), len(dists) + q_frontier.shape[0])
                 dists.append(q_frontier)
@@ -150,7 +168,7 @@ class SSMDrafter:
             )
             fed += new_idx.tolist()
             frontier = new_idx
-            q_frontier = logits_to_probs(self._fit(logits), sampling)  # (F', V)
+            q_frontier = draft_probs(self._fit(logits), sampling)  # (F', V)
             cum_frontier = new_cum
 
         long = dict(dtype=torch.long)

@@ -197,8 +197,9 @@ class SpeculativeEngine:
             if len(committed) > 1:  # prefill all but the pending token
                 self.llm.forward_chain(prefix)
         else:
+            width = self.llm.model.get_output_embeddings().weight.shape[1]
             hidden = (self.llm.chain_hidden(prefix) if len(committed) > 1
-                      else torch.zeros(0, self.llm.model.get_output_embeddings().weight.shape[1]))
+                      else torch.zeros(0, width, device=self.llm.device))  # on chain_hidden's device
             t0 = time.perf_counter()
             active, tree = plan(hidden)
             plan_s = time.perf_counter() - t0
@@ -225,7 +226,7 @@ class SpeculativeEngine:
         on_tokens: TokenCallback | None, chosen: list[int], record: bool,
     ) -> GenerationResult:
         """The speculative loop after the prefill, drafting with the drafters ``chosen``."""
-        gen = sampling.generator()
+        gen = sampling.generator(self.llm.device)  # the verifier samples from p on the LLM's device
         drafters = [self.drafters[i] for i in chosen]
         records: list[StepRecord] = []
         generated: list[int] = []

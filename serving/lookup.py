@@ -31,18 +31,21 @@ LOOKUP_NAME = "prompt-lookup"
 """How reports, bundles and schedulers name the prompt-lookup drafter."""
 
 
-def lookup_tree(length: int) -> TreeConfig:
-    """The tree a prompt-lookup drafter of chain length ``length`` is given on its own."""
+def lookup_tree(length: int, ngram_depths: tuple[int, ...] = ()) -> TreeConfig:
+    """The tree of a prompt-lookup drafter of chain length ``length`` (per match: ``chain_length``)."""
     if length < 1:
         raise ValueError(f"prompt lookup length must be >= 1, got {length}")
-    return TreeConfig(widths=(1,) * length)
+    return TreeConfig(widths=(1,) * length, ngram_depths=ngram_depths)
 
 
-def find_continuation(context: np.ndarray, length: int, max_ngram: int = 3, min_ngram: int = 1) -> np.ndarray:
-    """Up to ``length`` tokens that followed the latest earlier occurrence of the context's last n-gram.
+def find_match(
+    context: np.ndarray, length: int, max_ngram: int = 3, min_ngram: int = 1
+) -> tuple[int, np.ndarray]:
+    """``(n, chain)``: up to ``length`` tokens that followed the latest earlier occurrence of the
+    context's last n-gram, and that n (0 and an empty chain when nothing matches).
 
     Tries n = ``max_ngram`` down to ``min_ngram`` and returns at the first n with a match; among
-    matches it takes the latest one that is followed by at least one token. Empty when nothing matches.
+    matches it takes the latest one that is followed by at least one token.
 
     Args:
         context: (T,) int token ids, the committed text (its last token is the newest).
@@ -52,7 +55,7 @@ def find_continuation(context: np.ndarray, length: int, max_ngram: int = 3, min_
     """
     t = context.shape[0]
     if length <= 0:
-        return context[:0]
+        return 0, context[:0]
     for n in range(min(max_ngram, t - 1), min_ngram - 1, -1):
         starts = t - n  # candidate starts s in [0, t - n): the n-gram at s is followed by context[s + n]
         hit = np.ones(starts, dtype=bool)
@@ -61,12 +64,29 @@ def find_continuation(context: np.ndarray, length: int, max_ngram: int = 3, min_
         where = np.flatnonzero(hit)
         if where.size:
             s = int(where[-1])
-            return context[s + n : s + n + length]
-    return context[:0]
+            return n, context[s + n : s + n + length]
+    return 0, context[:0]
+
+
+def find_continuation(context: np.ndarray, length: int, max_ngram: int = 3, min_ngram: int = 1) -> np.ndarray:
+    """The chain of ``find_match`` alone."""
+    return find_match(context, length, max_ngram, min_ngram)[1]
+
+
+def chain_length(ngram: int, depth: int, ngram_depths: tuple[int, ...] = ()) -> int:
+    """Tokens to draft after a match of ``ngram`` tokens: ``ngram_depths[ngram - 1]`` (longer
+    matches: the last entry) capped at ``depth`` when per-match lengths are set, else ``depth``."""
+    if ngram < 1:
+        return 0
+    if ngram_depths:
+        return min(ngram_depths[min(ngram, len(ngram_depths)) - 1], depth)
+    return depth
 
 
 class PromptLookupDrafter:
-    """Drafts a chain copied from the committed text (``find_continuation``); keeps no state."""
+    """Drafts a chain copied from the committed text (``find_match``); keeps no state. The chain is
+    as long as the tree's depth, or as ``TreeConfig.ngram_depths`` sets for the match's n-gram length
+    (a learned scheduler drafts long chains after long matches, short ones after a single token)."""
 
     def __init__(
         self, tree: TreeConfig, index: int, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1
@@ -85,7 +105,8 @@ class PromptLookupDrafter:
 
     def draft(self, committed: Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> TokenTree:
         ctx = committed.detach().cpu().numpy()
-        chain = find_continuation(ctx, self.tree_config.max_depth, self.max_ngram, self.min_ngram)
+        ngram, chain = find_match(ctx, self.tree_config.max_depth, self.max_ngram, self.min_ngram)
+        chain = chain[: chain_length(ngram, self.tree_config.max_depth, self.tree_config.ngram_depths)]
         n = int(chain.shape[0])
         long = dict(dtype=torch.long)
         q_dists, dist_row = None, torch.full((n,), -1, **long)  # greedy verification reads no q

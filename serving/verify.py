@@ -17,10 +17,16 @@ from torch import Tensor
 from boosttune.serving.tree import TokenTree, path_to
 
 
+def _targets(tree: TokenTree, p_logits: Tensor) -> Tensor:
+    """(N + 1,) LLM argmax on the tree's device: the topology stays where the tree was built
+    (the host), only N + 1 ids cross over (no copy when both are on the CPU)."""
+    return p_logits.argmax(dim=-1).to(tree.tokens.device)
+
+
 def greedy_verify(tree: TokenTree, p_logits: Tensor) -> tuple[list[int], int]:
     """(N + 1, V) LLM logits → (accepted node indices from the root down, bonus token)."""
     assert p_logits.shape[0] == tree.size + 1, "p_logits needs one row for the root and one per node"
-    target = p_logits.argmax(dim=-1)  # (N + 1,)
+    target = _targets(tree, p_logits)  # (N + 1,)
     if tree.size == 0:
         return [], int(target[0])
     correct = tree.tokens == target[tree.parents + 1]  # (N,)
@@ -43,7 +49,7 @@ def greedy_branch_accepts(tree: TokenTree, p_logits: Tensor, maps: list[Tensor])
     """
     if tree.size == 0:
         return [0] * len(maps)
-    target = p_logits.argmax(dim=-1)  # (N + 1,)
+    target = _targets(tree, p_logits)  # (N + 1,)
     correct = tree.tokens == target[tree.parents + 1]  # (N,)
     ok = ~(tree.ancestor_mask() & ~correct.unsqueeze(0)).any(dim=1)  # (N,) whole path correct
     score = torch.where(ok, tree.depth, torch.zeros_like(tree.depth))  # (N,)

@@ -85,6 +85,7 @@ def stochastic_verify(
         return [], int(torch.multinomial(p_probs[0].float(), 1, generator=generator).item())  # host sync
     q_dists = tree.q_dists  # (M, V)
     assert q_dists is not None, "stochastic verification needs the tree's q_dists"
+    q_dists = q_dists.to(p_probs.device)  # a drafter may build its q on the host (prompt lookup)
     assert q_dists.shape[-1] == p_probs.shape[-1], "q_dists and p_probs disagree on V"
     # host sync: the topology and one uniform per node (each node is examined at most once)
     parents = tree.parents.tolist()

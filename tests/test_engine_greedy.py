@@ -11,6 +11,7 @@ from boosttune.serving.decode import incremental_generate
 from boosttune.serving.drafter import SSMDrafter
 from boosttune.serving.engine import SpeculativeEngine
 from boosttune.serving.runner import ModelRunner
+from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
 
 TREES = {
@@ -93,3 +94,19 @@ def test_ssm_with_padded_vocabulary_matches_incremental(extra):
     ref = incremental_generate(llm, [4, 5, 6], stop)
     out = SpeculativeEngine.from_models(llm, [ssm], TreeConfig(widths=(2, 1, 1))).generate([4, 5, 6], stop)
     assert out.tokens == ref.tokens
+
+
+def test_greedy_trees_branch_on_the_ssms_next_best_tokens():
+    """A width-3 level holds the SSM's three most likely tokens with their softmax probabilities
+    (the one-hot greedy distribution would give the argmax and two arbitrary zero-q tokens)."""
+    ssm = tiny_llama(2)
+    prompt = [3, 4, 5]
+    drafter = SSMDrafter(ModelRunner(ssm), TreeConfig(widths=(3, 2)))
+    tree = drafter.draft(torch.tensor(prompt), SamplingParams(), None)
+    with torch.inference_mode():
+        probs = torch.softmax(ssm(torch.tensor([prompt])).logits[0, -1].float(), -1)
+    top = probs.topk(3)
+    level1 = tree.depth == 1
+    assert tree.tokens[level1].tolist() == top.indices.tolist()
+    torch.testing.assert_close(tree.q_prob[level1], top.values)
+    assert int((tree.depth == 2).sum()) == 6 and bool((tree.q_prob > 0).all())

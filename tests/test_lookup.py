@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from conftest import perturbed, tiny_llama
 from test_engine_sampling import _accept_always, exact_distribution, pvalue, run_engine, sampling_models
 
@@ -12,8 +13,15 @@ from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.drafter import SSMDrafter
 from boosttune.serving.engine import SpeculativeEngine
-from boosttune.serving.lookup import PromptLookupDrafter, find_continuation, lookup_tree
+from boosttune.serving.lookup import (
+    PromptLookupDrafter,
+    chain_length,
+    find_continuation,
+    find_match,
+    lookup_tree,
+)
 from boosttune.serving.runner import ModelRunner
+from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
 
 
@@ -35,15 +43,28 @@ def test_find_continuation_prefers_long_ngrams_then_the_latest_match():
     assert cont([1, 2, 1], 0) == []
 
 
-def lookup_engine(llm, ssms=(), length=4) -> SpeculativeEngine:
+def test_find_match_reports_the_ngram_and_per_match_lengths_cut_the_chain():
+    ctx = np.array([1, 2, 3, 4, 5, 6, 9, 1, 2, 3])
+    n, chain = find_match(ctx, 8)
+    assert n == 3 and chain.tolist() == [4, 5, 6, 9, 1, 2, 3]
+    assert find_match(np.array([7, 8, 9]), 4)[0] == 0
+    assert [chain_length(n, 8, (0, 2, 5)) for n in (0, 1, 2, 3, 4)] == [0, 0, 2, 5, 5]
+    assert chain_length(2, 3, (0, 6)) == 3 and chain_length(1, 6) == 6  # capped at the depth; no table
+    drafter = PromptLookupDrafter(lookup_tree(8, (0, 2, 5)), 0, vocab_size=16)
+    assert drafter.draft(torch.tensor(ctx), SamplingParams(), None).tokens.tolist() == [4, 5, 6, 9, 1]
+    one_token_match = torch.tensor([3, 4, 0, 3])  # only "3" repeats: this table drafts nothing
+    assert drafter.draft(one_token_match, SamplingParams(), None).size == 0
+
+
+def lookup_engine(llm, ssms=(), length=4, ngram_depths=()) -> SpeculativeEngine:
     v = llm.get_output_embeddings().weight.shape[0]
     drafters = [SSMDrafter(ModelRunner(s), TreeConfig(widths=(2, 1, 1)), i) for i, s in enumerate(ssms)]
-    drafters.append(PromptLookupDrafter(lookup_tree(length), len(drafters), vocab_size=v))
+    drafters.append(PromptLookupDrafter(lookup_tree(length, ngram_depths), len(drafters), vocab_size=v))
     return SpeculativeEngine(ModelRunner(llm), drafters)
 
 
-@pytest.mark.parametrize("with_ssm", [False, True])
-def test_greedy_with_prompt_lookup_matches_incremental(with_ssm):
+@pytest.mark.parametrize("with_ssm, ngram_depths", [(False, ()), (True, ()), (False, (1, 3, 6))])
+def test_greedy_with_prompt_lookup_matches_incremental(with_ssm, ngram_depths):
     hits = 0
     for seed in range(5):
         llm = tiny_llama(seed)
@@ -51,7 +72,7 @@ def test_greedy_with_prompt_lookup_matches_incremental(with_ssm):
         prompt = ([5, 9, 13, 7, 5, 9] * 3)[: 6 + 2 * seed]  # repeats itself: lookup finds matches
         stop = StopCriteria(max_new_tokens=40)
         ref = incremental_generate(llm, prompt, stop)
-        out = lookup_engine(llm, ssms).generate(prompt, stop)
+        out = lookup_engine(llm, ssms, length=6, ngram_depths=ngram_depths).generate(prompt, stop)
         assert out.tokens == ref.tokens, seed
         hits += out.proposer_hits[-1]
     assert hits > 0, "prompt lookup never had a draft accepted: the test would not exercise it"
