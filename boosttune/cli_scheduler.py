@@ -61,6 +61,9 @@ def add_commands(subparsers) -> dict:
                    help="SSMs draft over the run's K most frequent tokens (cheaper drafts; 0 = whole vocabulary)")
     p.add_argument("--no-prompt-lookup", action="store_const", const=False, dest="prompt_lookup", default=None,
                    help="choose among the SSMs only (default: prompt lookup is one more drafter to choose)")
+    p.add_argument("--no-stepwise-lookup", action="store_const", const=False, dest="stepwise_lookup", default=None,
+                   help="draft prompt lookup to the chosen depth at every step (default: a learned length per "
+                        "matched n-gram length)")
     p.add_argument("--calib-prompts", type=int, default=None, help="prompts used to time the SSMs")
     p.add_argument("--calib-tokens", type=int, default=None, help="tokens per timing run")
     p.add_argument(
@@ -109,6 +112,7 @@ def cmd_train_scheduler(args: argparse.Namespace) -> int:
         ssm_dtype=args.ssm_dtype,
         draft_vocab=args.draft_vocab,
         prompt_lookup=args.prompt_lookup,
+        stepwise_lookup=args.stepwise_lookup,
         calib_prompts=args.calib_prompts,
         calib_tokens=args.calib_tokens,
         real_policies=args.real_policies,

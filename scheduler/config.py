@@ -41,6 +41,9 @@ class SchedulerConfig:
         prompt_lookup: add a prompt-lookup drafter (``serving/lookup.py``: copies what followed the
             newest 1-3 tokens' earlier occurrence; no model, microseconds per draft) to the choice,
             as one more member of the subsets; at depth k it proposes up to k tokens.
+        stepwise_lookup: also learn prompt lookup's chain length per step from the matched n-gram's
+            length (``stepwise.py``); the learned policy then drafts that length whenever its choice
+            includes prompt lookup.
         ngram_buckets: size of the hashed token n-gram feature block.
         pca_components: most principal components of the standardized features fed to the
             ridge regression; 1, 2, 4, ... up to it are tried by 5-fold cross-validation.
@@ -71,6 +74,7 @@ class SchedulerConfig:
     ssm_dtype: str | None = None
     draft_vocab: int = 0
     prompt_lookup: bool = True
+    stepwise_lookup: bool = True
     ngram_buckets: int = 64
     pca_components: int = 8
     ridge_alphas: tuple[float, ...] = (0.1, 1.0, 10.0, 100.0, 1000.0)

@@ -1,11 +1,13 @@
 """Evaluating policies: full-information replay for all of them, real engine runs for some.
 
-Replay (``replay``): a labelled request's per-step branch acceptances give the τ any (subset,
-depth) would have had (``subsets.replay_tau``); the cost model gives its seconds:
-``LLM prefill (measured) + SSM prefill + new_tokens / τ * step(subset, depth)``. Real runs run the
-engine with the policy's choice and time it; they include everything the replay models away.
+Replay (``replay``): a labelled request's per-position acceptances are walked step by step for any
+(subset, depth), prompt lookup's per-match lengths included (``walk.py``); the cost model prices
+each step: ``LLM prefill (measured) + SSM prefill + sum over steps of step(subset, depth, nodes)``.
+Real runs run the engine with the policy's choice and time it; they include everything the replay
+models away.
 
-Policies: ``learned`` (the scheduler), ``oracle`` (per request, the best candidate in hindsight by
+Policies: ``learned`` (the scheduler), ``learned_per_request`` (its choices without the per-match
+prompt-lookup lengths, to show what each part adds), ``oracle`` (per request, the best candidate in hindsight by
 replay), ``random`` (a seeded random non-empty subset at a random depth), ``none`` (plain
 decoding), ``all`` (every SSM), ``single:K`` (SSM K alone) and ``best_fixed`` (the best candidate
 on the training requests). Fixed policies use the depth that was best for their subset on the
@@ -23,7 +25,8 @@ import numpy as np
 from boosttune.scheduler.costs import CostModel
 from boosttune.scheduler.labels import RequestRecord
 from boosttune.scheduler.policy import Candidate, Choice, Scheduler, candidates
-from boosttune.scheduler.subsets import all_masks, members, replay_tau
+from boosttune.scheduler.subsets import all_masks, members
+from boosttune.scheduler.walk import walk, walk_seconds
 from boosttune.serving.engine import GenerationResult, SpeculativeEngine
 from boosttune.serving.stops import StopCriteria
 
@@ -60,13 +63,18 @@ class Outcome:
 
 def replay(record: RequestRecord, cand: Candidate, costs: CostModel) -> Outcome:
     """The outcome ``cand`` would have had on a labelled request, under the cost model."""
-    tau = replay_tau(record.accepts, cand.mask, cand.depth)
-    steps = max(record.new_tokens, 1) / tau
-    k = costs.depths.index(cand.depth) if cand.mask else 0
+    chosen = set(members(cand.mask))
+    depths = [cand.depth if j in chosen else 0 for j in range(costs.n_ssms)]
+    if cand.ngram_depths and record.lookup in chosen:  # the table sets the length, up to the label depth
+        depths[record.lookup] = max(costs.depths)
+    walked = walk(record.labels(), depths, record.lookup, cand.ngram_depths)
+    decode_s, draft_s = walk_seconds(walked, costs, depths, record.lookup)
+    if walked.steps == 0:  # nothing generated: one plain step decided that
+        decode_s = costs.step_cost(0, 0)
+    tau = record.new_tokens / walked.steps if walked.steps else 1.0
     prefill = costs.prefill_cost(cand.mask, record.prompt_tokens)
-    draft = steps * costs.draft_cost(cand.mask, k) + prefill
-    wall = record.prefill_s + prefill + steps * costs.step_cost(cand.mask, k)
-    return Outcome(cand, record.new_tokens, tau, wall, draft, prefill_s=record.prefill_s)
+    wall = record.prefill_s + prefill + decode_s
+    return Outcome(cand, record.new_tokens, tau, wall, draft_s + prefill, prefill_s=record.prefill_s)
 
 
 def mean_tokens_per_s(records: Sequence[RequestRecord], cand: Candidate, costs: CostModel) -> float:
@@ -80,9 +88,12 @@ def best_depth(records: Sequence[RequestRecord], mask: int, costs: CostModel) ->
     return max((Candidate(mask, k) for k in costs.depths), key=lambda c: mean_tokens_per_s(records, c, costs))
 
 
-def best_fixed(records: Sequence[RequestRecord], costs: CostModel) -> Candidate:
-    """The single candidate with the best mean replayed tokens/s on ``records`` (the fallback)."""
+def best_fixed(records: Sequence[RequestRecord], costs: CostModel, containing: int = -1) -> Candidate:
+    """The single candidate with the best mean replayed tokens/s on ``records`` (the fallback);
+    ``containing`` >= 0: the best among those that draft with that drafter."""
     cands = candidates(costs.n_ssms, costs.depths)
+    if containing >= 0:
+        cands = [c for c in cands if containing in members(c.mask)]
     return max(cands, key=lambda c: mean_tokens_per_s(records, c, costs))
 
 
@@ -113,10 +124,12 @@ def replay_policies(
     costs = scheduler.costs
     rng = random.Random(seed)
     spec = [c for c in candidates(costs.n_ssms, costs.depths) if c.mask]
-    out: dict[str, list[Outcome]] = {"learned": [], "oracle": [], "random": []}
+    out: dict[str, list[Outcome]] = {"learned": [], "learned_per_request": [], "oracle": [], "random": []}
     out.update({name: [] for name in fixed})
     for rec, ids in zip(records, prompt_ids, strict=True):
-        out["learned"].append(replay(rec, scheduler.choose(ids, rec.features).candidate, costs))
+        chosen = scheduler.choose(ids, rec.features).candidate
+        out["learned"].append(replay(rec, chosen, costs))
+        out["learned_per_request"].append(replay(rec, chosen.fixed(), costs))
         out["oracle"].append(replay(rec, oracle(rec, costs), costs))
         out["random"].append(replay(rec, rng.choice(spec), costs))
         for name, cand in fixed.items():
@@ -148,7 +161,7 @@ def run_policy(
         ids,
         stop,
         active=list(members(cand.mask)),
-        tree=scheduler.trees(cand.mask, cand.depth),
+        tree=scheduler.trees(cand),
         record=True,
     )
     return real_outcome(res, cand), None

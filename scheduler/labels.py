@@ -1,11 +1,13 @@
-"""Full-information labels: run the engine with every SSM merged and log each branch's acceptance.
+"""Full-information labels: one engine run per request with every drafter, then labels per position.
 
-Shape legend: S steps of one request, N SSMs.
+Shape legend: T generated tokens of one request, N drafters (SSMs, then prompt lookup if any).
 
-One greedy verification scores every SSM's branch at once (``greedy_branch_accepts``), so a single
-run per request gives, for every step and SSM, the draft tokens that SSM's branch alone would have
-had accepted. The same runs log the measured costs (per-SSM draft seconds, verification seconds
-against tree size, per-step overhead) that ``costs.calibrate`` folds into the cost model.
+The run (every drafter merged, greedy) writes the request's output, which is the same for every
+policy, and logs the measured costs (per-drafter draft seconds, verification seconds against tree
+size, per-step overhead) that ``costs.calibrate`` folds into the cost model. From the output,
+``positions.py`` then gives, for every position and drafter, the tokens that drafter alone would
+have had accepted had a step started there (one teacher-forced forward per SSM; a string search
+for prompt lookup), which ``walk.py`` replays for any policy, step by step.
 """
 
 from __future__ import annotations
@@ -17,8 +19,15 @@ import numpy as np
 import torch
 
 from boosttune.scheduler.features import FeatureSpec, RequestFeatures, request_features
+from boosttune.scheduler.positions import draft_ranks, expansion_accepts, lookup_positions
+from boosttune.scheduler.walk import Labels
+from boosttune.serving.drafter import SSMDrafter
 from boosttune.serving.engine import GenerationResult, SpeculativeEngine
+from boosttune.serving.lookup import PromptLookupDrafter
 from boosttune.serving.stops import StopCriteria
+
+MAX_NGRAM = 3
+"""The n-gram length made-up labels without ``ngram`` assume (the drafter's default longest)."""
 
 
 @dataclass
@@ -28,11 +37,15 @@ class RequestRecord:
     Attributes:
         id: the prompt's id.
         features: what the scheduler sees before decoding.
-        accepts: (S, N) int, draft tokens each SSM's branch would have had accepted per step, at
-            the label depth.
-        new_tokens: tokens generated (the same for every policy: greedy decoding is lossless).
+        accepts: (T, N) int, draft tokens drafter j alone would have had accepted by a step
+            starting at output position t, at the label depth (``positions.py``).
+        new_tokens: T, tokens generated (the same for every policy: greedy decoding is lossless).
         wall_s: seconds of the whole labelled request.
         prefill_s: seconds of the LLM's prefill.
+        lookup: index of the prompt-lookup drafter (-1: none).
+        ngram: (T,) prompt lookup's matched n-gram length per position (None: always a match of
+            ``MAX_NGRAM`` tokens, for labels made up in tests).
+        chain: (T,) tokens prompt lookup's chain holds per position (None: the label depth).
         result: the engine's result (timings per step), not serialized.
     """
 
@@ -42,25 +55,44 @@ class RequestRecord:
     new_tokens: int
     wall_s: float
     prefill_s: float
+    lookup: int = -1
+    ngram: np.ndarray | None = None
+    chain: np.ndarray | None = None
     result: GenerationResult | None = None
 
     @property
     def prompt_tokens(self) -> int:
         return self.features.prompt_tokens
 
+    def labels(self) -> Labels:
+        """The position-level labels ``walk.walk`` replays."""
+        t = self.accepts.shape[0]
+        depth = int(self.accepts.max()) if self.accepts.size else 0
+        ngram = self.ngram if self.ngram is not None else np.full(t, MAX_NGRAM, dtype=np.int64)
+        chain = self.chain if self.chain is not None else np.full(t, max(depth, 1), dtype=np.int64)
+        return Labels(self.accepts, ngram, chain)
+
     def to_json(self) -> dict:
-        return {
+        out = {
             "id": self.id,
+            "level": "position",
             "features": self.features.to_json(),
             "accepts": self.accepts.tolist(),
             "new_tokens": self.new_tokens,
             "wall_s": self.wall_s,
             "prefill_s": self.prefill_s,
+            "lookup": self.lookup,
         }
+        if self.ngram is not None and self.chain is not None:
+            out.update(ngram=self.ngram.tolist(), chain=self.chain.tolist())
+        return out
 
     @classmethod
     def from_json(cls, obj: dict, n_ssms: int) -> RequestRecord:
+        if obj.get("level") != "position":
+            raise ValueError("labels written before per-position labels (per step of one run); relabel them")
         accepts = np.asarray(obj["accepts"], dtype=np.int64).reshape(-1, n_ssms)
+        arrays = {k: np.asarray(obj[k], dtype=np.int64) for k in ("ngram", "chain") if k in obj}
         return cls(
             id=str(obj["id"]),
             features=RequestFeatures.from_json(obj["features"]),
@@ -68,6 +100,8 @@ class RequestRecord:
             new_tokens=int(obj["new_tokens"]),
             wall_s=float(obj["wall_s"]),
             prefill_s=float(obj["prefill_s"]),
+            lookup=int(obj.get("lookup", -1)),
+            **arrays,
         )
 
 
@@ -80,7 +114,6 @@ def label_request(
     spec: FeatureSpec,
 ) -> RequestRecord:
     """Run one request with every drafter (their own trees, the label depth) and label it."""
-    n = len(engine.drafters)
     captured: dict[str, RequestFeatures] = {}
 
     def capture(hidden: torch.Tensor):
@@ -88,7 +121,19 @@ def label_request(
         return None, None  # every drafter, its own tree
 
     res = engine.generate(ids, stop, plan=capture, record=True)
-    accepts = np.array([r.accepts for r in res.records], dtype=np.int64).reshape(-1, n)
+    columns, lookup, ngram, chain = [], -1, None, None
+    for j, d in enumerate(engine.drafters):
+        depth = d.tree_config.max_depth
+        if isinstance(d, PromptLookupDrafter):
+            accepted, ngram, chain = lookup_positions(ids, res.tokens, depth, d.max_ngram, d.min_ngram)
+            lookup = j
+        elif isinstance(d, SSMDrafter) and d.tree_config.kind == "expansion":
+            ranks = draft_ranks(d.runner.model, ids, res.tokens, d.runner.head_ids)
+            accepted = expansion_accepts(ranks, d.tree_config.widths)
+        else:
+            raise ValueError(f"labels need expansion trees or prompt lookup; drafter {j} is {type(d).__name__}")
+        columns.append(accepted)
+    accepts = np.stack(columns, axis=1) if columns else np.zeros((len(res.tokens), 0), dtype=np.int64)
     return RequestRecord(
         id=prompt_id,
         features=captured["f"],
@@ -96,6 +141,9 @@ def label_request(
         new_tokens=len(res.tokens),
         wall_s=res.wall_time,
         prefill_s=res.prefill_s,
+        lookup=lookup,
+        ngram=ngram,
+        chain=chain,
         result=res,
     )
 

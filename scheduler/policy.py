@@ -16,6 +16,10 @@ small predicted edge is mostly noise, so ties go to the best fixed choice. The s
 candidate on the training requests) answers whenever the features are malformed, far from every
 training request (``z_max`` standard deviations along a principal axis) or the predictions are
 not finite.
+
+Whenever the chosen subset includes prompt lookup, its chain length is then set per step by the
+learned per-match table (``lookup_depths``, ``stepwise.py``: short after a match of one token, long
+after three), up to the label depth; the chosen depth still sets the SSMs' trees.
 """
 
 from __future__ import annotations
@@ -37,20 +41,32 @@ from boosttune.scheduler.persist import SchedulerFileError, read_scheduler_file,
 from boosttune.scheduler.subsets import all_masks, mask_of, members, monotone
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.engine import PlanHook, RequestPlan
+from boosttune.serving.lookup import lookup_tree
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """A subset (bitmask over SSM indices; 0 = plain decoding) and a tree depth (0 with mask 0)."""
+    """A subset (bitmask over SSM indices; 0 = plain decoding) and a tree depth (0 with mask 0).
+
+    ``ngram_depths`` non-empty: prompt lookup (when in the subset) drafts per step the length this
+    table gives for the match's n-gram length, up to the label depth (``stepwise.py``), instead of
+    ``depth``, which then applies to the SSMs only.
+    """
 
     mask: int
     depth: int
+    ngram_depths: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
         if self.mask == 0:
             return "none"
-        return "{" + ",".join(str(j) for j in members(self.mask)) + f"}}@{self.depth}"
+        table = "/n" + ",".join(str(k) for k in self.ngram_depths) if self.ngram_depths else ""
+        return "{" + ",".join(str(j) for j in members(self.mask)) + f"}}@{self.depth}{table}"
+
+    def fixed(self) -> Candidate:
+        """The same subset and depth without per-match lengths."""
+        return Candidate(self.mask, self.depth)
 
 
 @dataclass(frozen=True)
@@ -79,7 +95,8 @@ class Choice:
 
     @property
     def candidate(self) -> Candidate:
-        return Candidate(mask_of(self.ssm_indices), self.depth)
+        table = next((t.ngram_depths for t in (self.trees or {}).values() if t.ngram_depths), ())
+        return Candidate(mask_of(self.ssm_indices), self.depth, table)
 
     def as_plan(self) -> RequestPlan:
         """``(active, tree)`` for ``SpeculativeEngine.generate``."""
@@ -149,6 +166,8 @@ class Scheduler:
         prompt_lookup: the last of the ``n_ssms`` drafters is a prompt-lookup drafter
             (``serving/lookup.py``), the others SSMs; an engine serving this scheduler must be built so
             (``SpeculativeEngine.from_models(..., lookup=scheduler.lookup_length)``).
+        lookup_depths: prompt lookup's chain length per matched n-gram length (``stepwise.py``),
+            used whenever a choice includes prompt lookup; empty: the choice's depth.
     """
 
     spec: FeatureSpec
@@ -162,6 +181,7 @@ class Scheduler:
     margin: float = 0.0
     draft_vocab: int = 0
     prompt_lookup: bool = False
+    lookup_depths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n, d = self.costs.n_ssms, self.label_depth
@@ -174,6 +194,8 @@ class Scheduler:
             raise ValueError(
                 f"scheduler: the model takes {self.model.n_features} features, the spec has {self.spec.dim}"
             )
+        if self.lookup_depths and (not self.prompt_lookup or min(self.lookup_depths) < 0):
+            raise ValueError("scheduler: lookup_depths need prompt_lookup and lengths >= 0")
         if not self.widths or self.fallback not in self.candidates:  # builds the table: not on a request
             raise ValueError("scheduler: no expansion widths, or a fallback that is not a candidate")
 
@@ -208,12 +230,26 @@ class Scheduler:
     def table(self) -> CandidateTable:
         return candidate_table(self.costs)
 
-    def trees(self, mask: int, depth: int) -> dict[int, TreeConfig] | None:
-        """Each drafter of ``mask``'s tree at ``depth``: SSMs ``tree(depth)``, prompt lookup a chain of ``depth``."""
-        if not mask:
+    @property
+    def lookup_index(self) -> int:
+        """The prompt-lookup drafter's index (-1: none)."""
+        return self.n_ssms - 1 if self.prompt_lookup else -1
+
+    def trees(self, cand: Candidate) -> dict[int, TreeConfig] | None:
+        """Each drafter of ``cand``'s tree: SSMs ``widths[:depth]``, prompt lookup a chain of ``depth``
+        (of the label depth, cut per match by ``cand.ngram_depths`` when set)."""
+        if not cand.mask:
             return None
-        lookup = self.n_ssms - 1 if self.prompt_lookup else -1
-        return depth_trees(members(mask), depth, self.widths, self.draft_vocab, lookup)
+        out = depth_trees(members(cand.mask), cand.depth, self.widths, self.draft_vocab, self.lookup_index)
+        if cand.ngram_depths and self.lookup_index in out:
+            out[self.lookup_index] = lookup_tree(self.label_depth, cand.ngram_depths)
+        return out
+
+    def with_table(self, cand: Candidate) -> Candidate:
+        """``cand`` with the learned per-match lengths when it drafts with prompt lookup."""
+        if self.lookup_depths and self.lookup_index in members(cand.mask):
+            return Candidate(cand.mask, cand.depth, self.lookup_depths)
+        return cand
 
     def survival(self, features: RequestFeatures) -> np.ndarray:
         """(M, D) predicted survival, projected onto valid curves."""
@@ -265,10 +301,8 @@ class Scheduler:
         )
 
     def _choice(self, cand: Candidate, tau: float, sec: float) -> Choice:
-        return Choice(
-            members(cand.mask), cand.depth, self.trees(cand.mask, cand.depth), tau,
-            1.0 / sec if sec > 0 else float("nan"),
-        )
+        cand = self.with_table(cand)
+        return Choice(members(cand.mask), cand.depth, self.trees(cand), tau, 1.0 / sec if sec > 0 else float("nan"))
 
     def _out_of_range(self, prompt_ids: Sequence[int], features: RequestFeatures) -> str:
         x = features.vector()
@@ -300,6 +334,7 @@ class Scheduler:
             "margin": self.margin,
             "draft_vocab": self.draft_vocab,
             "prompt_lookup": self.prompt_lookup,
+            "lookup_depths": list(self.lookup_depths),
         }
 
     @classmethod
@@ -316,6 +351,7 @@ class Scheduler:
             margin=float(body["margin"]),
             draft_vocab=int(body.get("draft_vocab", 0)),  # absent in files written before it existed
             prompt_lookup=bool(body.get("prompt_lookup", False)),  # likewise
+            lookup_depths=tuple(int(k) for k in body.get("lookup_depths", ())),  # likewise
         )
 
     def save(self, path: str | Path) -> None:

@@ -1,16 +1,17 @@
-"""SSM subsets as bitmasks, and the full-information arithmetic on per-step branch acceptances.
+"""SSM subsets as bitmasks, and the survival arithmetic the acceptance model learns.
 
-Shape legend: S steps of one request, N SSMs, M = 2**N - 1 non-empty subsets, D label depth.
+Shape legend: T labelled positions of one request, N drafters, M = 2**N - 1 non-empty subsets, D label depth.
 
-A subset is a bitmask over SSM indices (bit j = SSM j), M of them, mask m at row m - 1. With greedy
-merged trees the accepted length of a step is the maximum over the SSMs' branches, and a tree cut
-to depth k accepts ``min(a, k)`` of a branch that accepted ``a`` at the label depth (the branch's
-first k levels are the same nodes). So for any subset and budget, from one labelled run::
+A subset is a bitmask over drafter indices (bit j = drafter j), M of them, mask m at row m - 1. With
+greedy merged trees the accepted length of a step is the maximum over the drafters' branches, and a
+tree cut to depth k accepts ``min(a, k)`` of a branch that accepted ``a`` at the label depth (the
+branch's first k levels are the same nodes). So for any subset and budget::
 
-    accepted draft tokens per step ≈ mean over steps of max_{j in mask} min(a_j, k)
+    accepted draft tokens per step ≈ mean over positions of max_{j in mask} min(a_j, k)
                                    = sum_{d <= k} P(max_{j in mask} a_j >= d)
 
-The approximation is that a policy that accepts less would visit other positions of the same text.
+which the policy predicts per request from the survival ``P(...)``. The approximation (steps start
+at some positions, not all) is only the prediction's; replays walk the steps (``walk.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def mask_of(indices: tuple[int, ...] | list[int]) -> int:
 
 
 def union_accepts(accepts: np.ndarray, mask: int) -> np.ndarray:
-    """(S, N) per-step branch acceptances → (S,) what the merged tree of ``mask`` accepts."""
+    """(T, N) per-position branch acceptances → (T,) what the merged tree of ``mask`` accepts."""
     cols = list(members(mask))
     if not cols or accepts.shape[0] == 0:
         return np.zeros(accepts.shape[0], dtype=np.int64)
@@ -44,7 +45,7 @@ def union_accepts(accepts: np.ndarray, mask: int) -> np.ndarray:
 
 
 def union_survival(accepts: np.ndarray, n: int, depth: int) -> np.ndarray:
-    """(S, N) acceptances → (M, D): share of steps whose subset accepted at least d = 1..D tokens."""
+    """(T, N) acceptances → (M, D): share of positions whose subset accepted at least d = 1..D tokens."""
     out = np.zeros((len(all_masks(n)), depth))
     if accepts.shape[0] == 0:
         return out
@@ -52,18 +53,6 @@ def union_survival(accepts: np.ndarray, n: int, depth: int) -> np.ndarray:
     for row, mask in enumerate(all_masks(n)):
         out[row] = (union_accepts(accepts, mask)[:, None] >= levels[None, :]).mean(axis=0)
     return out
-
-
-def gain_from_survival(survival: np.ndarray, depth: int) -> np.ndarray:
-    """(M, D) survival → (M,) expected accepted draft tokens per step with trees cut to ``depth``."""
-    return survival[:, :depth].sum(axis=1)
-
-
-def replay_tau(accepts: np.ndarray, mask: int, depth: int) -> float:
-    """τ (bonus included) the subset ``mask`` with depth ``depth`` would have had on these steps."""
-    if mask == 0 or depth == 0 or accepts.shape[0] == 0:
-        return 1.0
-    return 1.0 + float(np.minimum(union_accepts(accepts, mask), depth).mean())
 
 
 def monotone(survival: np.ndarray, n: int) -> np.ndarray:

@@ -46,7 +46,8 @@ from boosttune.scheduler.labels import RequestRecord, collect_labels
 from boosttune.scheduler.model import fit_linear
 from boosttune.scheduler.plot import plot_tokens_per_s
 from boosttune.scheduler.policy import Scheduler
-from boosttune.scheduler.subsets import union_survival
+from boosttune.scheduler.stepwise import fit_ngram_depths
+from boosttune.scheduler.subsets import members, union_survival
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.draft_vocab import load_ranking
 from boosttune.serving.engine import SpeculativeEngine
@@ -236,6 +237,12 @@ def fit_scheduler(
     x = np.stack([r.features.vector() for r in train])
     y = np.stack([union_survival(r.accepts, n, depth).reshape(-1) for r in train])
     model = fit_linear(x, y, cfg.pca_components, cfg.ridge_alphas, passthrough=spec.head)
+    fallback = best_fixed(train, costs)
+    lookup = n - 1 if cfg.prompt_lookup else -1
+    table: tuple[int, ...] = ()
+    if cfg.stepwise_lookup and lookup >= 0:
+        with_lookup = fallback if lookup in members(fallback.mask) else best_fixed(train, costs, containing=lookup)
+        table = fit_ngram_depths(train, costs, with_lookup.mask, with_lookup.depth, lookup)
     return Scheduler(
         spec=spec,
         model=model,
@@ -243,18 +250,19 @@ def fit_scheduler(
         widths=tuple(widths[:depth]),
         expected_new_tokens=float(np.mean([r.new_tokens for r in train])),
         z_max=cfg.z_max,
-        fallback=best_fixed(train, costs),
+        fallback=fallback,
         meta={"label_depth": depth, "train_requests": len(train)},
         margin=cfg.margin,
         draft_vocab=cfg.draft_vocab,
         prompt_lookup=cfg.prompt_lookup,
+        lookup_depths=table,
     )
 
 
 def build_report(run, cfg, scheduler, fixed, replayed, real, choices, train_rec, eval_rec, clock) -> dict:
     """The scheduler_report.json mapping."""
     policies = {}
-    for name in ["learned", "oracle", "random", *fixed]:
+    for name in ["learned", "learned_per_request", "oracle", "random", *fixed]:
         policies[name] = {
             "replay": summarize(replayed[name]),
             "real": summarize(real[name]) if name in real else None,
@@ -271,6 +279,9 @@ def build_report(run, cfg, scheduler, fixed, replayed, real, choices, train_rec,
         "best_fixed_policy_replay": best_name,
         "learned_vs_best_fixed_replay": learned / policies[best_name]["replay"]["tokens_per_s"],
         "learned_vs_oracle_replay": learned / policies["oracle"]["replay"]["tokens_per_s"],
+        "learned_per_request_vs_best_fixed_replay": (
+            policies["learned_per_request"]["replay"]["tokens_per_s"] / policies[best_name]["replay"]["tokens_per_s"]
+        ),
         "best_fixed_policy_real": best_real,
         "learned_vs_best_fixed_real": (
             learned_real / policies[best_real]["real"]["tokens_per_s"] if best_real and learned_real else None
@@ -283,6 +294,9 @@ def build_report(run, cfg, scheduler, fixed, replayed, real, choices, train_rec,
     headline["real_runs_include_best_fixed"] = bool(twins)
     real_ok = not twins or learned_real is None or learned_real > policies[twins[0]]["real"]["tokens_per_s"]
     headline["learned_beats_best_fixed"] = headline["learned_vs_best_fixed_replay"] > 1.0 and real_ok
+    headline["learned_vs_best_fixed_replay_ci95"] = paired_ratio_ci(replayed["learned"], replayed[best_name])
+    if twins and "learned" in real:
+        headline["learned_vs_best_fixed_real_ci95"] = paired_ratio_ci(real["learned"], real[twins[0]])
     return {
         "format": REPORT_FORMAT,
         "run_dir": str(run),
@@ -302,8 +316,10 @@ def build_report(run, cfg, scheduler, fixed, replayed, real, choices, train_rec,
             "mean_new_tokens_eval": float(np.mean([r.new_tokens for r in eval_rec])),
         },
         "method": (
-            "replay: every policy on the eval requests' full-information labels (per step and SSM, the "
-            "tokens its branch alone would have had accepted) with the measured cost model; real: the "
+            "replay: every policy walked step by step over the eval requests' full-information labels (per "
+            "output position and drafter, the tokens it alone would have had accepted by a step starting there) "
+            "with the measured cost model; learned_per_request: the learned choices without the per-match "
+            "prompt-lookup lengths; real: the "
             f"engine run with the policy's choices ({', '.join(real)}), interleaved per request; tokens/s is "
             "the mean over requests of new tokens / wall time, prefill included; tau = tokens / LLM forwards"
         ),
@@ -315,9 +331,9 @@ def build_report(run, cfg, scheduler, fixed, replayed, real, choices, train_rec,
         "fallbacks": _fallbacks(choices),
         "label_runs": {
             "eval_tau_all_merged": float(
-                np.mean([1 + r.accepts.max(axis=1).mean() for r in eval_rec if r.accepts.size])
+                sum(r.new_tokens for r in eval_rec) / sum(len(r.result.records) for r in eval_rec)
             )
-            if eval_rec
+            if eval_rec and all(r.result is not None and r.result.records for r in eval_rec)
             else None
         },
         "threads": torch.get_num_threads(),
@@ -327,9 +343,24 @@ def build_report(run, cfg, scheduler, fixed, replayed, real, choices, train_rec,
             "pca_components": int(scheduler.model.components.shape[0]),
             "features": scheduler.spec.dim,
             "fallback": scheduler.fallback.name,
+            "lookup_depths": list(scheduler.lookup_depths),
         },
         "seconds": clock,
     }
+
+
+def paired_ratio_ci(a, b, draws: int = 2000, seed: int = 0) -> dict:
+    """Mean tokens/s of ``a`` over that of ``b`` on the same requests, with a 95 % bootstrap interval
+    (requests resampled with replacement, pairs kept together) and the share of requests ``a`` won."""
+    x = np.array([o.tokens_per_s for o in a])
+    y = np.array([o.tokens_per_s for o in b])
+    if not len(x) or len(x) != len(y) or y.mean() <= 0:
+        return {}
+    idx = np.random.default_rng(seed).integers(0, len(x), size=(draws, len(x)))
+    ratios = x[idx].mean(axis=1) / np.maximum(y[idx].mean(axis=1), 1e-12)
+    lo, hi = np.quantile(ratios, [0.025, 0.975])
+    return {"ratio": float(x.mean() / y.mean()), "low": float(lo), "high": float(hi),
+            "share_faster": float(np.mean(x > y))}
 
 
 def overhead(outcomes, others=()) -> dict:
@@ -382,7 +413,8 @@ def format_table(report: dict) -> str:
     lines.append(
         f"learned/best fixed ({h['best_fixed_policy_replay']}) "
         f"replay {h['learned_vs_best_fixed_replay']:.3f}; "
-        f"real {_fmt(h['learned_vs_best_fixed_real'])}; learned/oracle {h['learned_vs_oracle_replay']:.3f}; "
+        f"real {_fmt(h['learned_vs_best_fixed_real'])}{_ci(h.get('learned_vs_best_fixed_real_ci95'))}; "
+        f"learned/oracle {h['learned_vs_oracle_replay']:.3f}; "
         f"scheduler overhead {_fmt(100 * o['mean_fraction_of_latency']) if o.get('measured') else '-'} %"
     )
     return "\n".join(lines)
@@ -390,6 +422,10 @@ def format_table(report: dict) -> str:
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
+
+
+def _ci(c: dict | None) -> str:
+    return f" (95 % CI {c['low']:.3f}-{c['high']:.3f}, faster on {100 * c['share_faster']:.0f} %)" if c else ""
 
 
 def _warm_up(engine: SpeculativeEngine, ids: list[int], eos: frozenset[int]) -> None:

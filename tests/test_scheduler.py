@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 
@@ -15,7 +16,7 @@ from boosttune.scheduler.labels import RequestRecord
 from boosttune.scheduler.model import fit_linear, make_pipeline
 from boosttune.scheduler.persist import SchedulerFileError, digest
 from boosttune.scheduler.policy import Candidate, Scheduler
-from boosttune.scheduler.subsets import monotone, replay_tau, union_survival
+from boosttune.scheduler.subsets import monotone, union_survival
 from boosttune.scheduler.train import fit_scheduler
 from boosttune.serving.builders import TreeConfig
 
@@ -67,14 +68,10 @@ def scheduler() -> Scheduler:
 
 
 # -- subsets arithmetic ---------------------------------------------------------------------------
-def test_union_survival_and_replay_tau():
-    accepts = np.array([[0, 2], [1, 0], [3, 1]])  # 3 steps, 2 SSMs
+def test_union_survival():
+    accepts = np.array([[0, 2], [1, 0], [3, 1]])  # 3 positions, 2 SSMs
     u = union_survival(accepts, 2, 3)  # rows: {0}, {1}, {0,1}
     np.testing.assert_allclose(u, [[2 / 3, 1 / 3, 1 / 3], [2 / 3, 1 / 3, 0], [1, 2 / 3, 1 / 3]])
-    assert replay_tau(accepts, 0b11, 2) == pytest.approx(1 + (2 + 1 + 2) / 3)
-    assert replay_tau(accepts, 0b01, 3) == pytest.approx(1 + 4 / 3)
-    assert replay_tau(accepts, 0, 3) == 1.0
-    assert u[2, :2].sum() == pytest.approx(replay_tau(accepts, 0b11, 2) - 1)
 
 
 def test_monotone_projection():
@@ -286,9 +283,16 @@ def test_a_scheduler_for_another_number_of_ssms_is_refused(scheduler):
 
 def test_ssm_depth_saturates_while_prompt_lookup_drafts_deeper(scheduler):
     s = Scheduler(SPEC, scheduler.model, scheduler.costs, (1, 1), 30, 6.0, Candidate(0, 0), prompt_lookup=True)
-    trees = s.trees(0b11, 5)  # drafter 0 an SSM with two levels of widths, drafter 1 prompt lookup
+    trees = s.trees(Candidate(0b11, 5))  # drafter 0 an SSM with two levels of widths, drafter 1 prompt lookup
     assert trees[0].widths == (1, 1) and trees[1].widths == (1,) * 5
-    assert s.trees(0b10, 3) == {1: TreeConfig(widths=(1, 1, 1))} and s.trees(0, 0) is None
+    assert s.trees(Candidate(0b10, 3)) == {1: TreeConfig(widths=(1, 1, 1))} and s.trees(Candidate(0, 0)) is None
+    # per-match lengths: prompt lookup drafts up to the label depth, cut per match; SSMs keep the depth
+    trees = s.trees(Candidate(0b11, 1, (0, 2, 2)))
+    assert trees[0].widths == (1,) and trees[1] == TreeConfig(widths=(1, 1), ngram_depths=(0, 2, 2))
+    tabled = dataclasses.replace(s, lookup_depths=(0, 2, 2))
+    assert tabled.with_table(Candidate(0b10, 1)) == Candidate(0b10, 1, (0, 2, 2))
+    assert tabled.with_table(Candidate(0b01, 1)) == Candidate(0b01, 1)  # no prompt lookup: no table
+    assert Scheduler.from_json(tabled.to_json()).lookup_depths == (0, 2, 2)
 
 
 def test_lookup_hit_rate_agrees_with_the_drafters_own_search():
@@ -301,3 +305,18 @@ def test_lookup_hit_rate_agrees_with_the_drafters_own_search():
         guesses = [find_continuation(np.array(ids[:t]), 1) for t in range(1, len(ids))]
         hits = sum(g.size > 0 and g[0] == ids[t] for t, g in enumerate(guesses, start=1))
         assert lookup_hit_rate(ids) == pytest.approx(hits / max(1, len(ids) - 1)), ids
+
+
+def test_paired_ratio_interval():
+    from boosttune.scheduler.evaluate import Outcome
+    from boosttune.scheduler.train import paired_ratio_ci
+
+    def runs(rates):
+        return [Outcome(Candidate(0, 0), new_tokens=10, tau=1.0, wall_s=10 / r, draft_s=0.0) for r in rates]
+
+    base = [40.0, 50.0, 60.0, 45.0]
+    same_edge = paired_ratio_ci(runs([1.1 * r for r in base]), runs(base))
+    assert same_edge["ratio"] == pytest.approx(1.1) and same_edge["share_faster"] == 1.0
+    assert same_edge["low"] == pytest.approx(1.1) and same_edge["high"] == pytest.approx(1.1)
+    mixed = paired_ratio_ci(runs([44.0, 40.0, 66.0, 40.0]), runs(base))
+    assert mixed["low"] < mixed["ratio"] < mixed["high"] and mixed["share_faster"] == 0.5

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import perturbed, tiny_llama
 
+from boosttune.scheduler.features import FeatureSpec
+from boosttune.scheduler.labels import label_request
+from boosttune.scheduler.walk import walk
 from boosttune.serving.builders import TreeConfig, merge_trees
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.engine import SpeculativeEngine
+from boosttune.serving.lookup import lookup_tree
 from boosttune.serving.stops import StopCriteria
 from boosttune.serving.tree import TokenTree
 from boosttune.serving.verify import greedy_branch_accepts, greedy_verify
@@ -117,3 +122,28 @@ def test_branch_accepts_match_verifying_each_branch_alone():
     for tree, m in ((a, maps[0]), (b, maps[1])):
         alone = torch.cat([logits[:1], logits[m + 1]])
         assert len(greedy_verify(tree, alone)[0]) == greedy_branch_accepts(merged, logits, [m])[0]
+
+
+@pytest.mark.parametrize(
+    "active, depths, ngram_depths",
+    [([0], (3, 0, 0, 0), ()), ([1, 3], (0, 2, 0, 5), ()), ([0, 1, 2, 3], (3, 3, 3, 5), ()), ([3], (0, 0, 0, 5), (1, 3, 5))],
+)
+def test_position_labels_replay_the_engines_own_steps(models, active, depths, ngram_depths):
+    """Labels made from one run with every drafter, walked for a policy, give exactly the steps (and
+    accepted lengths) the engine takes when run with that policy (fp32 greedy: no rounding noise)."""
+    llm, ssms = models
+    widths = (1, 2, 1)
+    eng = SpeculativeEngine.from_models(llm, ssms, TreeConfig(widths=widths), lookup=5)
+    prompt = [3, 4, 5, 6, 3, 4, 5, 9, 3, 4]  # repeats itself: prompt lookup finds matches
+    stop = StopCriteria(max_new_tokens=30)
+    spec = FeatureSpec(hidden_size=llm.config.hidden_size, ngram_buckets=4, lookup=True)
+    record = label_request(eng, "p", prompt, stop, chat=False, spec=spec)
+    trees = {j: TreeConfig(widths=widths[: depths[j]]) for j in active if j != 3}
+    if 3 in active:
+        trees[3] = lookup_tree(depths[3], ngram_depths)
+    run = eng.generate(prompt, stop, active=active, tree=trees)
+    assert run.tokens == incremental_generate(llm, prompt, stop).tokens
+    assert max(run.accept_lengths) > 1, "no draft accepted: the comparison would be trivial"
+    walked = walk(record.labels(), depths, lookup=3, ngram_depths=ngram_depths)
+    assert walked.steps == run.steps
+    assert np.diff([*walked.starts, len(run.tokens)]).tolist() == run.accept_lengths

@@ -12,7 +12,7 @@ from boosttune.cli import main
 from boosttune.models import load_model
 from boosttune.rundir import atomic_write_json, mark_complete
 from boosttune.scheduler.labels import RequestRecord
-from boosttune.scheduler.policy import Scheduler
+from boosttune.scheduler.policy import Candidate, Scheduler
 
 pytestmark = pytest.mark.skipif(not MT_BENCH.is_file(), reason="needs ../shared/data/mt_bench")
 
@@ -72,6 +72,7 @@ def test_train_scheduler_writes_scheduler_and_report(run_dir, capsys):
     policies = report["policies"]
     assert set(policies) == {
         "learned",
+        "learned_per_request",
         "oracle",
         "random",
         "none",
@@ -98,7 +99,7 @@ def test_train_scheduler_writes_scheduler_and_report(run_dir, capsys):
     assert scheduler.n_ssms == 3 and scheduler.costs.depths == (1, 2) and scheduler.widths == (1, 2)
     assert scheduler.prompt_lookup and scheduler.lookup_length == 2 and scheduler.spec.lookup
     assert scheduler.model.passthrough == 3  # prompt length, chat, lookup hit rate skip the PCA
-    assert scheduler.draft_vocab == 40 and scheduler.trees(0b1, 2)[0].draft_vocab == 40 and report["llm"]["draft_vocab"] == 40
+    assert scheduler.draft_vocab == 40 and scheduler.trees(Candidate(0b1, 2))[0].draft_vocab == 40 and report["llm"]["draft_vocab"] == 40
     assert sorted(p.name for p in (run_dir / "scheduler").iterdir()) == ["complete.json", "scheduler.json"]
     line = (run_dir / "scheduler_labels.jsonl").read_text().splitlines()[0]
     record = RequestRecord.from_json(json.loads(line), n_ssms=3)
