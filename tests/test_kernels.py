@@ -78,8 +78,11 @@ def make_inputs(B, H, Hkv, T, S, P, C, dtype, mask="random", layout="bhtc", seed
         tm = random_tree_mask(T, W, g)
     else:
         tm = random_mask(T, W, g)
-        if mask == "empty_row":
+        if mask in ("empty_row", "empty_row_partial"):
             tm[1] = False
+        if mask == "empty_row_partial":  # row 2 sees only key 0: no visible key in later splits
+            tm[2] = False
+            tm[2, 0] = True
     return q, k, v, tm
 
 
@@ -216,8 +219,26 @@ INTERP_CASES = {
     "tree_fp16": dict(B=1, H=2, Hkv=1, T=7, S=20, P=6, C=16, dtype=torch.float16, mask="tree"),
     "empty_row_p0_fp32": dict(B=1, H=2, Hkv=2, T=4, S=4, P=0, C=16, dtype=torch.float32, mask="empty_row"),
     "no_tree_cols_fp32": dict(B=1, H=2, Hkv=1, T=2, S=10, P=10, C=16, dtype=torch.float32),
+    # Split-K path, num_splits forced; ranges are whole 16-key blocks (see test_split_plan).
+    # keys [0, 32) | [32, 41): the first range crosses P = 20, the second lies in the tree part
+    "split2_tree_fp32": dict(
+        B=1, H=2, Hkv=1, T=5, S=41, P=20, C=16, dtype=torch.float32, mask="tree", splits=2
+    ),
+    # [0, 16) | [16, 32) | [32, 41): a split inside the prefix, one across P = 20, one in the tree;
+    # GQA, batch 2, non-contiguous inputs
+    "split3_gqa_strided_fp32": dict(
+        B=2, H=4, Hkv=2, T=3, S=41, P=20, C=16, dtype=torch.float32, layout="bthc", splits=3
+    ),
+    # P = 0, [0, 16) | [16, 32) | [32, 36): row 1 sees no key at all, row 2 only key 0
+    "split3_p0_empty_row_fp32": dict(
+        B=1, H=2, Hkv=2, T=4, S=36, P=0, C=16, dtype=torch.float32, mask="empty_row_partial", splits=3
+    ),
+    # decode (T = 1), GQA, bf16, C = 24 padded to 32: [0, 32) prefix only | [32, 33) one tree key
+    "split2_t1_gqa_bf16": dict(B=1, H=6, Hkv=2, T=1, S=33, P=32, C=24, dtype=torch.bfloat16, splits=2),
+    # S == P (no tree columns), the ranges [0, 16) | [16, 32) both in the prefix
+    "split2_no_tree_cols_fp16": dict(B=1, H=2, Hkv=1, T=2, S=32, P=32, C=16, dtype=torch.float16, splits=2),
 }
-DETERMINISM_CASES = ["tree_multiblock_fp32", "gqa_bf16"]
+DETERMINISM_CASES = ["tree_multiblock_fp32", "gqa_bf16", "split3_gqa_strided_fp32"]
 _INTERP_BLOCK = 16
 
 
@@ -234,12 +255,21 @@ def _run_interpreter_cases(out_path: str) -> None:
     results = {}
     for i, (name, case) in enumerate(INTERP_CASES.items()):
         case = dict(case)
+        splits = case.pop("splits", None)  # None: automatic, which is 1 (single pass) off CUDA
         q, k, v, tm = make_inputs(**case, seed=100 + i)
         outs = []
         for _ in range(2 if name in DETERMINISM_CASES else 1):
             outs.append(
                 tree_attention_triton(
-                    q, k, v, case["P"], tm, _scale(case), block_r=_INTERP_BLOCK, block_s=_INTERP_BLOCK
+                    q,
+                    k,
+                    v,
+                    case["P"],
+                    tm,
+                    _scale(case),
+                    block_r=_INTERP_BLOCK,
+                    block_s=_INTERP_BLOCK,
+                    num_splits=splits,
                 )
             )
         results[name] = dict(q=q, k=k, v=v, tree_mask=tm, outs=outs)
@@ -278,8 +308,54 @@ def test_triton_interpreter_matches_reference(interpreter_results, name):
     if case["dtype"] != torch.float32:  # and against exact fp32 math on the same (rounded) inputs
         exact = naive_tree_attention(q.float(), k.float(), v.float(), case["P"], tm, _scale(case))
         torch.testing.assert_close(out.float(), exact, **_TOL[case["dtype"]])
-    if case.get("mask") == "empty_row":
+    if case.get("mask") in ("empty_row", "empty_row_partial"):
         assert (out[:, :, 1] == 0).all()
+
+
+@pytest.mark.parametrize("name", [n for n, c in INTERP_CASES.items() if c.get("splits")])
+def test_interpreter_split_cases_really_split(name):
+    """The forced split counts above are the counts launched (ranges of whole 16-key blocks)."""
+    from boosttune.kernels.tree_attention_triton import choose_num_splits
+
+    c = INTERP_CASES[name]
+    q = torch.empty(c["B"], c["H"], c["T"], c["C"])
+    k = torch.empty(c["B"], c["Hkv"], c["S"], c["C"])
+    got = choose_num_splits(q, k, block_r=_INTERP_BLOCK, block_s=_INTERP_BLOCK, num_splits=c["splits"])
+    assert got == c["splits"]
+
+
+@pytest.mark.parametrize(
+    "S, programs, block_s, num_sms, forced, want",
+    [
+        (8193, 32, 32, None, None, (1, 8193)),  # off CUDA: single pass unless forced
+        (8193, 32, 32, 132, None, (9, 928)),  # LLaMA-2-7B T=1 on an H200: ceil(264 / 32) = 9
+        (513, 32, 32, 132, None, (1, 513)),  # under 1024 keys: the single pass (measured faster)
+        (1100, 32, 32, 132, None, (5, 224)),  # capped at ceil(1100 / 256) = 5 splits
+        (8193, 264, 32, 132, None, (1, 8193)),  # already 2 programs per SM
+        (8193, 3, 64, 132, None, (33, 256)),  # SmolLM2 T=1: 88 wanted, capped by 256 keys per split
+        (41, 1, 16, None, 3, (3, 16)),
+        (41, 1, 16, None, 8, (3, 16)),  # forced is an upper bound: at most ceil(41 / 16) ranges
+        (10, 1, 16, 132, 4, (1, 10)),
+        (41, 1, 16, 132, 1, (1, 41)),
+        (0, 1, 16, 132, None, (1, 0)),
+    ],
+)
+def test_split_plan(S, programs, block_s, num_sms, forced, want):
+    from boosttune.kernels.tree_attention_triton import _plan_splits
+
+    splits, per = _plan_splits(S, programs, block_s, num_sms=num_sms, num_splits=forced)
+    assert (splits, per) == want
+    if splits > 1:
+        assert per % block_s == 0 and (splits - 1) * per < S <= splits * per  # no empty range
+
+
+def test_triton_rejects_bad_num_splits():
+    pytest.importorskip("triton")
+    from boosttune.kernels.tree_attention_triton import tree_attention_triton
+
+    q, k, v, tm = make_inputs(1, 2, 2, 2, 6, 4, 8, torch.float32)
+    with pytest.raises(ValueError, match="num_splits"):
+        tree_attention_triton(q, k, v, 4, tm, 1.0, num_splits=0)
 
 
 @pytest.mark.parametrize("name", DETERMINISM_CASES)
@@ -302,24 +378,31 @@ GPU_SHAPES = [  # (B, H, Hkv, T, S, P, C)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("num_splits", [None, 4], ids=["splits_auto", "splits4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_triton_matches_reference_gpu(shape, dtype):
+def test_triton_matches_reference_gpu(shape, dtype, num_splits):
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("TRITON_INTERPRET is set; this test is for compiled kernels")
-    from boosttune.kernels.tree_attention_triton import tree_attention_triton
+    from boosttune.kernels.tree_attention_triton import choose_num_splits, tree_attention_triton
 
     B, H, Hkv, T, S, P, C = shape
     q, k, v, tm = make_inputs(*shape, dtype, mask="tree", seed=7)
     q, k, v, tm = (x.cuda() for x in (q, k, v, tm))
-    out = tree_attention_triton(q, k, v, P, tm, C**-0.5)
+    splits = choose_num_splits(q, k, num_splits=num_splits)
+    print(f"[{'x'.join(map(str, shape))} {dtype} num_splits={num_splits}] launched splits={splits}")
+    out = tree_attention_triton(q, k, v, P, tm, C**-0.5, num_splits=num_splits)
     torch.cuda.synchronize()
     exact = naive_tree_attention(q.cpu().float(), k.cpu().float(), v.cpu().float(), P, tm.cpu(), C**-0.5)
     tol = dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32 else _TOL[dtype]
     torch.testing.assert_close(out.cpu().float(), exact, **tol)
-    torch.testing.assert_close(tree_attention(q, k, v, P, tm, C**-0.5), out)  # dispatcher picks Triton
-    assert torch.equal(tree_attention_triton(q, k, v, P, tm, C**-0.5), out)  # deterministic
+    if num_splits is None:  # the dispatcher picks Triton with the automatic split count
+        torch.testing.assert_close(tree_attention(q, k, v, P, tm, C**-0.5), out)
+    else:  # and the split path agrees with the single pass
+        single = tree_attention_triton(q, k, v, P, tm, C**-0.5, num_splits=1)
+        torch.testing.assert_close(out, single, **tol)
+    assert torch.equal(tree_attention_triton(q, k, v, P, tm, C**-0.5, num_splits=num_splits), out)
 
 
 if __name__ == "__main__":
