@@ -40,8 +40,9 @@ def plot_tokens_per_s(report: dict, path: str | Path) -> None:
     ssm_dtype = llm.get("ssm_dtype") or llm["dtype"]
     ax.set_title(
         f"{llm['ref']} ({llm['dtype']}, SSMs {ssm_dtype}), {report['requests']['eval']} eval requests; "
-        f"learned/best fixed {head['learned_vs_best_fixed_replay']:.2f}, "
-        f"learned/oracle {head['learned_vs_oracle_replay']:.2f}",
+        f"learned/best fixed {head['learned_vs_best_fixed_replay']:.3f} replay"
+        + (f", {head['learned_vs_best_fixed_real']:.3f} real" if head.get("learned_vs_best_fixed_real") else "")
+        + f"; learned/oracle {head['learned_vs_oracle_replay']:.3f}",
         fontsize=9,
     )
     ax.legend(fontsize=8, loc="lower right")
