@@ -137,12 +137,16 @@ class CostModel:
 
 
 def depth_trees(
-    indices: Sequence[int], depth: int, widths: Sequence[int], draft_vocab: int, lookup: int
+    depths: Sequence[int], widths: Sequence[int], draft_vocab: int, lookup: int, ngram_depths: tuple[int, ...] = ()
 ) -> dict[int, TreeConfig]:
-    """Each drafter's tree at ``depth``: an SSM drafts ``widths[:depth]``, the prompt-lookup drafter
-    (index ``lookup``; -1: none) a chain of up to ``depth`` tokens."""
-    ssm = TreeConfig(widths=tuple(widths[:depth]), draft_vocab=draft_vocab)
-    return {j: lookup_tree(depth) if j == lookup else ssm for j in indices}
+    """The tree of every drafter j with ``depths[j]`` > 0: an SSM drafts ``widths[:depths[j]]``, the
+    prompt-lookup drafter (index ``lookup``; -1: none) a chain of up to ``depths[j]`` tokens, cut per
+    match by ``ngram_depths`` when set."""
+    return {
+        j: lookup_tree(k, ngram_depths) if j == lookup else TreeConfig(widths=tuple(widths[:k]), draft_vocab=draft_vocab)
+        for j, k in enumerate(depths)
+        if k > 0
+    }
 
 
 def tree_nodes(widths: Sequence[int], depth: int) -> int:
@@ -216,7 +220,7 @@ def calibrate(
         res = engine.generate(ids, stop, active=[], record=True)
         samples.add_run(res, len(ids), None)
         for k in depths:
-            trees = depth_trees(range(n), k, widths, draft_vocab, lookup)
+            trees = depth_trees([k] * n, widths, draft_vocab, lookup)
             for j in range(n):
                 res = engine.generate(ids, stop, active=[j], tree=trees, record=True)
                 samples.add_run(res, len(ids), k)

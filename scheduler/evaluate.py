@@ -63,10 +63,7 @@ class Outcome:
 
 def replay(record: RequestRecord, cand: Candidate, costs: CostModel) -> Outcome:
     """The outcome ``cand`` would have had on a labelled request, under the cost model."""
-    chosen = set(members(cand.mask))
-    depths = [cand.depth if j in chosen else 0 for j in range(costs.n_ssms)]
-    if cand.ngram_depths and record.lookup in chosen:  # the table sets the length, up to the label depth
-        depths[record.lookup] = max(costs.depths)
+    depths = cand.drafter_depths(costs.n_ssms, record.lookup, max(costs.depths))
     walked = walk(record.labels(), depths, record.lookup, cand.ngram_depths)
     decode_s, draft_s = walk_seconds(walked, costs, depths, record.lookup)
     if walked.steps == 0:  # nothing generated: one plain step decided that

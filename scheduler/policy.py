@@ -41,7 +41,6 @@ from boosttune.scheduler.persist import SchedulerFileError, read_scheduler_file,
 from boosttune.scheduler.subsets import all_masks, mask_of, members, monotone
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.engine import PlanHook, RequestPlan
-from boosttune.serving.lookup import lookup_tree
 
 
 @dataclass(frozen=True)
@@ -67,6 +66,14 @@ class Candidate:
     def fixed(self) -> Candidate:
         """The same subset and depth without per-match lengths."""
         return Candidate(self.mask, self.depth)
+
+    def drafter_depths(self, n: int, lookup: int, label_depth: int) -> list[int]:
+        """Each of the ``n`` drafters' depth (0: not drafting); prompt lookup (index ``lookup``)
+        drafts up to ``label_depth`` when ``ngram_depths`` sets its length per match."""
+        depths = [self.depth if self.mask >> j & 1 else 0 for j in range(n)]
+        if self.ngram_depths and 0 <= lookup < n and depths[lookup]:
+            depths[lookup] = label_depth
+        return depths
 
 
 @dataclass(frozen=True)
@@ -240,10 +247,8 @@ class Scheduler:
         (of the label depth, cut per match by ``cand.ngram_depths`` when set)."""
         if not cand.mask:
             return None
-        out = depth_trees(members(cand.mask), cand.depth, self.widths, self.draft_vocab, self.lookup_index)
-        if cand.ngram_depths and self.lookup_index in out:
-            out[self.lookup_index] = lookup_tree(self.label_depth, cand.ngram_depths)
-        return out
+        depths = cand.drafter_depths(self.n_ssms, self.lookup_index, self.label_depth)
+        return depth_trees(depths, self.widths, self.draft_vocab, self.lookup_index, cand.ngram_depths)
 
     def with_table(self, cand: Candidate) -> Candidate:
         """``cand`` with the learned per-match lengths when it drafts with prompt lookup."""

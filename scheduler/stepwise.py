@@ -6,45 +6,25 @@ A copy that starts from a 3-token match is far more likely to go on than one fro
 token, and a chain that fails costs verification time, so one length for every step wastes time
 on weak matches or drafts too little on strong ones. The table ``lengths[n - 1]`` (0 .. D tokens
 after an n-token match) is fitted to maximise the measure reports compare, the mean over the
-training requests of tokens per second, each request replayed step by step (``walk.py``) under
-the measured costs. The fit is coordinate ascent over non-decreasing tables (a longer match is
-never trusted less, which keeps rare match lengths from being fitted to noise), started from the
-fixed length and from D: for each n in turn, every length between its neighbours' is replayed and
-the best kept, until a round changes nothing (at most G x (D + 1) replays of R requests a round). Choosing the speculation length per step from what is known at that
-step is also what DISCO (Mamou et al., arXiv 2405.04304) and SpecDec++ (Huang et al., arXiv
-2405.19715) learn for model drafters; here the signal is the match length and the choice a table.
+training requests of tokens per second, each request replayed step by step under the measured
+costs (``evaluate.replay``). The fit is coordinate ascent over non-decreasing tables (a longer
+match is never trusted less, which keeps rare match lengths from being fitted to noise), started
+from the fixed length and from D: for each n in turn, every length between its neighbours' is
+replayed and the best kept, until a round changes nothing (each table is replayed once).
+Choosing the speculation length per step from what is known at that step is also what DISCO
+(Mamou et al., arXiv 2405.04304) and SpecDec++ (Huang et al., arXiv 2405.19715) learn for model
+drafters; here the signal is the match length and the choice a table.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from boosttune.scheduler.costs import CostModel
+from boosttune.scheduler.evaluate import mean_tokens_per_s
 from boosttune.scheduler.labels import RequestRecord
+from boosttune.scheduler.policy import Candidate
 from boosttune.scheduler.subsets import members
-from boosttune.scheduler.walk import walk, walk_seconds
-
-
-def _walk_depths(mask: int, depth: int, lookup: int, costs: CostModel) -> list[int]:
-    depths = [depth if j in members(mask) else 0 for j in range(costs.n_ssms)]
-    depths[lookup] = max(costs.depths)  # the table decides, up to the label depth
-    return depths
-
-
-def tokens_per_second(
-    records: Sequence[RequestRecord], costs: CostModel, mask: int, depth: int, lookup: int, table: Sequence[int]
-) -> float:
-    """Mean over ``records`` of tokens per second (LLM prefill, SSM catch-up and decoding, as
-    ``evaluate.replay`` prices them) with SSMs at ``depth`` and prompt lookup's lengths ``table``."""
-    depths = _walk_depths(mask, depth, lookup, costs)
-    rates = []
-    for r in records:
-        decode = walk_seconds(walk(r.labels(), depths, lookup, tuple(table)), costs, depths, lookup)[0]
-        seconds = r.prefill_s + costs.prefill_cost(mask, r.prompt_tokens) + decode
-        rates.append(r.new_tokens / seconds if seconds > 0 else 0.0)
-    return float(np.mean(rates)) if rates else 0.0
 
 
 def fit_ngram_depths(
@@ -61,30 +41,33 @@ def fit_ngram_depths(
     if g == 0:
         return ()
     top = max(costs.depths)
+    seen: dict[tuple[int, ...], float] = {}
+
+    def value(table: tuple[int, ...]) -> float:  # each table is replayed once: ascent revisits many
+        if table not in seen:
+            seen[table] = mean_tokens_per_s(records, Candidate(mask, depth, table), costs)
+        return seen[table]
+
     start = (min(depth, top),) * g
-    base = tokens_per_second(records, costs, mask, depth, lookup, start)
-    found, found_value = start, base
+    found = start
     for first in sorted({start, (top,) * g}):
-        table, best = _ascend(records, costs, mask, depth, lookup, list(first), rounds)
-        if best > found_value * (1 + 1e-9):
-            found, found_value = table, best
+        table = _ascend(value, first, top, rounds)
+        if value(table) > value(found) * (1 + 1e-9):
+            found = table
     return found if found != start else ()
 
 
-def _ascend(records, costs, mask, depth, lookup, table: list[int], rounds: int) -> tuple[tuple[int, ...], float]:
-    """Coordinate ascent over non-decreasing tables (a longer match is never trusted less)."""
-    best = tokens_per_second(records, costs, mask, depth, lookup, table)
-    top = max(costs.depths)
+def _ascend(value, table: tuple[int, ...], top: int, rounds: int) -> tuple[int, ...]:
+    """Coordinate ascent of ``value`` over non-decreasing tables (a longer match is never trusted less)."""
     for _ in range(rounds):
         changed = False
         for i in range(len(table)):
             low = table[i - 1] if i else 0
             high = table[i + 1] if i + 1 < len(table) else top
             for k in range(low, high + 1):
-                trial = [*table[:i], k, *table[i + 1 :]]
-                value = tokens_per_second(records, costs, mask, depth, lookup, trial)
-                if value > best * (1 + 1e-9):
-                    table, best, changed = trial, value, True
+                trial = (*table[:i], k, *table[i + 1 :])
+                if value(trial) > value(table) * (1 + 1e-9):
+                    table, changed = trial, True
         if not changed:
             break
-    return tuple(table), best
+    return table

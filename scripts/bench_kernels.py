@@ -29,7 +29,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -65,6 +64,8 @@ _ensure_boosttune_importable()
 
 from boosttune.kernels import tree_attention_triton as tat  # noqa: E402
 from boosttune.kernels.tree_attention import full_mask, tree_attention_reference  # noqa: E402
+from boosttune.serving.runner import cache_keyword  # noqa: E402
+from boosttune.serving.tree import ancestor_mask  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
 # Shapes (borrowed numbers, with their sources)
@@ -159,11 +160,7 @@ def time_ms(
 def random_tree_mask(t: int, g: torch.Generator) -> torch.Tensor:
     """(T, T) bool ancestor mask of a random tree of T nodes in topological order (self included)."""
     parents = [int(torch.randint(-1, i, (1,), generator=g)) if i else -1 for i in range(t)]
-    mask = torch.eye(t, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            mask[i] |= mask[p]
-    return mask
+    return ancestor_mask(torch.tensor(parents, dtype=torch.long))
 
 
 def triton_status(device: torch.device) -> str | None:
@@ -276,10 +273,6 @@ def build_model(device: torch.device, dtype: torch.dtype, small: bool):
     return model, dims
 
 
-def _cache_keyword(model) -> str:
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 class _CallCounter:
     def __init__(self, fn):
         self.fn, self.calls = fn, 0
@@ -302,7 +295,7 @@ def bench_verify(
     prefix = SMALL_VERIFY_PREFIX if small else VERIFY_PREFIX
     g = torch.Generator().manual_seed(1)
     runner = ModelRunner(model)
-    cache_kw = _cache_keyword(model)
+    cache_kw = cache_keyword(model.forward)
 
     t0 = time.perf_counter()
     runner.forward_chain(torch.randint(0, dims["vocab"], (prefix,), generator=g))

@@ -6,7 +6,6 @@ checks the tree masks, positions, cache compaction and verification all at once.
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Sequence
 
@@ -14,6 +13,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from boosttune.serving.engine import GenerationResult, TokenCallback
+from boosttune.serving.runner import cache_keyword
 from boosttune.serving.sampling import SamplingParams, logits_to_probs, sample
 from boosttune.serving.stops import StopCriteria
 
@@ -30,7 +30,7 @@ def incremental_generate(
     sampling = sampling or SamplingParams()
     start = time.perf_counter()
     gen = sampling.generator(model.device)
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_kw = cache_keyword(model.forward)
     cache = DynamicCache(config=model.config)
     ids = torch.tensor([list(prompt_ids)], device=model.device)
     generated: list[int] = []

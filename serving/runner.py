@@ -89,8 +89,9 @@ def restricted_head_error(model: PreTrainedModel) -> str | None:
     return None
 
 
-def _cache_keyword(forward) -> str:
-    # transformers renamed past_key_values to cache during 5.x; accept either.
+def cache_keyword(forward) -> str:
+    """The cache argument's name of an HF ``forward``: transformers renamed past_key_values to cache
+    during 5.x; accept either."""
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
@@ -100,7 +101,7 @@ class ModelRunner:
     def __init__(self, model: PreTrainedModel, head_ids: Tensor | None = None):
         """``head_ids``: (K,) token ids to compute logits for (the others get -inf); None: all V."""
         self.model = model
-        self._cache_kw = _cache_keyword(model.forward)
+        self._cache_kw = cache_keyword(model.forward)
         self.cache = DynamicCache(config=model.config)
         self.head_ids: Tensor | None = None
         self._head_weight: Tensor | None = None  # (K, H) rows of the LM head, contiguous
@@ -122,7 +123,7 @@ class ModelRunner:
         self.head_ids = ids.to(weight.device)
         self._head_weight = weight.detach()[self.head_ids].contiguous()
         self._vocab = weight.shape[0]
-        self._body_cache_kw = _cache_keyword(self.model.base_model.forward)
+        self._body_cache_kw = cache_keyword(self.model.base_model.forward)
 
     @property
     def device(self) -> torch.device:

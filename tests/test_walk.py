@@ -9,10 +9,12 @@ import torch
 from conftest import tiny_llama
 
 from boosttune.scheduler.costs import CostModel
+from boosttune.scheduler.evaluate import mean_tokens_per_s
 from boosttune.scheduler.features import RequestFeatures
 from boosttune.scheduler.labels import RequestRecord
+from boosttune.scheduler.policy import Candidate
 from boosttune.scheduler.positions import NOT_DRAFTABLE, draft_ranks, expansion_accepts, lookup_positions
-from boosttune.scheduler.stepwise import fit_ngram_depths, tokens_per_second
+from boosttune.scheduler.stepwise import fit_ngram_depths
 from boosttune.scheduler.walk import Labels, walk, walk_seconds
 from boosttune.serving.lookup import find_match
 
@@ -111,7 +113,7 @@ def test_fitted_lookup_lengths_skip_weak_matches():
     )
     table = fit_ngram_depths(records, costs, mask=0b1, depth=8, lookup=0)
     assert table == (0, 8, 8)  # 2-token matches never occur: that entry keeps its start, 8
-    assert tokens_per_second(records, costs, 0b1, 8, 0, table) > tokens_per_second(records, costs, 0b1, 8, 0, (8, 8, 8))
+    assert mean_tokens_per_s(records, Candidate(0b1, 8, table), costs) > mean_tokens_per_s(records, Candidate(0b1, 8, (8, 8, 8)), costs)
     # when drafting is free, nothing beats drafting the whole chain: no table
     flat = CostModel(
         depths=(4, 8), nodes_per_ssm=((1.0, 2.0),), draft_s=((0.0, 0.0),), ssm_prefill_s_per_token=(0.0,),
