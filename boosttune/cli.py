@@ -71,10 +71,6 @@ def _tree(args: argparse.Namespace, base: TreeConfig | None = None) -> TreeConfi
                       draft_vocab=pick("draft_vocab", "draft_vocab"))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    return _build()[0]
-
-
 def _build() -> tuple[argparse.ArgumentParser, dict]:
     parser = argparse.ArgumentParser(prog="boosttune", description="Boost-tuned SSMs and lossless token-tree speculative inference.")
     sub = parser.add_subparsers(dest="command", required=True)

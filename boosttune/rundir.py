@@ -83,7 +83,3 @@ def ssm_dirs(run_dir: str | Path) -> list[Path]:
     dirs = [run / s["ssm_dir"] for s in read_report(run).get("stages", [])]
     return [d for d in dirs if is_complete(d)]
 
-
-def llm_ref(run_dir: str | Path) -> str:
-    """The LLM the run was trained against (as the user named it: 'default', path or hub id)."""
-    return read_report(run_dir)["llm"]["ref"]

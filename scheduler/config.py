@@ -1,13 +1,14 @@
 """What training the scheduler does: one typed dataclass, the ``scheduler:`` section of a training YAML.
 
 Every field has a default except the prompt file, which must be held out from SSM training (the
-labels would otherwise flatter the SSMs). ``SchedulerConfig.from_dict`` refuses unknown keys by name.
+labels would otherwise flatter the SSMs). ``boosttune.config.from_dict`` reads it from YAML, refusing
+unknown keys by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 POLICY_NAMES = ("learned", "all", "best_fixed", "none")
@@ -127,16 +128,6 @@ class SchedulerConfig:
     def label_depth(self) -> int:
         """Depth of the tree every SSM drafts while labels are collected."""
         return max(self.depths)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> SchedulerConfig:
-        """A config from a YAML/JSON mapping; unknown keys are refused by name."""
-        data = dict(data or {})
-        allowed = [f.name for f in fields(cls)]
-        unknown = sorted(set(data) - set(allowed))
-        if unknown:
-            raise ValueError(f"scheduler: unknown field(s) {unknown}; allowed: {allowed}")
-        return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON/YAML-ready mapping (tuples as lists)."""

@@ -105,10 +105,6 @@ class CostModel:
         """Seconds the SSMs of ``mask`` spend catching up on the prompt (once per request)."""
         return sum(self.ssm_prefill_s_per_token[j] for j in members(mask)) * prompt_tokens
 
-    def draft_cost(self, mask: int, depth_index: int) -> float:
-        """Seconds of drafting per step (the SSMs of ``mask`` at ``depths[depth_index]``)."""
-        return sum(self.draft_s[j][depth_index] for j in members(mask))
-
     def to_json(self) -> dict:
         return {
             "type": "cost_model",

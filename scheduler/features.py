@@ -125,7 +125,7 @@ def lookup_hit_rate(ids: Sequence[int], max_ngram: int = 3) -> float:
     """Share of tokens ``ids[1:]`` that prompt lookup would have predicted from the tokens before them.
 
     The prediction for ``ids[t]`` is the token that followed the latest earlier occurrence of the
-    longest of the last ``max_ngram`` .. 1 tokens before t (``serving.lookup.find_continuation``
+    longest of the last ``max_ngram`` .. 1 tokens before t (``serving.lookup.find_match``
     with length 1), found in O(T) with one dictionary per n-gram length.
     """
     ids = [int(i) for i in ids]

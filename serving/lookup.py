@@ -68,11 +68,6 @@ def find_match(
     return 0, context[:0]
 
 
-def find_continuation(context: np.ndarray, length: int, max_ngram: int = 3, min_ngram: int = 1) -> np.ndarray:
-    """The chain of ``find_match`` alone."""
-    return find_match(context, length, max_ngram, min_ngram)[1]
-
-
 def chain_length(ngram: int, depth: int, ngram_depths: tuple[int, ...] = ()) -> int:
     """Tokens to draft after a match of ``ngram`` tokens: ``ngram_depths[ngram - 1]`` (longer
     matches: the last entry) capped at ``depth`` when per-match lengths are set, else ``depth``."""

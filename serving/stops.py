@@ -46,8 +46,3 @@ class StopCriteria:
         # Decode a short tail only: a stop string spans at most a few dozen tokens.
         tail = self.tokenizer.decode(tokens[-32:], skip_special_tokens=False)
         return any(s in tail for s in self.stop_strings)
-
-    def trim_text(self, text: str) -> str:
-        """Cut decoded text at the first stop string (OpenAI semantics: the stop is not returned)."""
-        cuts = [text.find(s) for s in self.stop_strings if s in text]
-        return text[: min(cuts)] if cuts else text

@@ -87,11 +87,6 @@ def ancestor_mask(parents: Tensor) -> Tensor:
         cur = torch.where(live, parents[cur.clamp(min=0)], cur)
 
 
-def depth_from_parents(parents: Tensor) -> Tensor:
-    """(N,) long depth (1 for children of the root) from the ancestor mask."""
-    return ancestor_mask(parents).sum(dim=1)
-
-
 def verification_inputs(tree: TokenTree, root_token: int, prefix_len: int) -> tuple[Tensor, Tensor, Tensor]:
     """Inputs of the one LLM forward that verifies a whole tree.
 
@@ -121,7 +116,3 @@ def path_to(parents: Tensor, node: int) -> list[int]:
         node = plist[node]
     return path[::-1]
 
-
-def causal_mask(t: int, device: torch.device | str = "cpu") -> Tensor:
-    """(T, T) bool lower-triangular mask: a chain is the simplest tree."""
-    return torch.ones(t, t, dtype=torch.bool, device=device).tril()

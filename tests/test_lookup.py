@@ -16,7 +16,6 @@ from boosttune.serving.engine import SpeculativeEngine
 from boosttune.serving.lookup import (
     PromptLookupDrafter,
     chain_length,
-    find_continuation,
     find_match,
     lookup_tree,
 )
@@ -26,10 +25,10 @@ from boosttune.serving.stops import StopCriteria
 
 
 def cont(ctx, length, **kw) -> list[int]:
-    return find_continuation(np.array(ctx), length, **kw).tolist()
+    return find_match(np.array(ctx), length, **kw)[1].tolist()
 
 
-def test_find_continuation_prefers_long_ngrams_then_the_latest_match():
+def test_find_match_prefers_long_ngrams_then_the_latest_match():
     # last 3 tokens "1 2 3" occurred at the start, followed by 4 5 6
     assert cont([1, 2, 3, 4, 5, 6, 9, 1, 2, 3], 3) == [4, 5, 6]
     assert cont([1, 2, 3, 4, 5, 6, 9, 1, 2, 3], 2) == [4, 5]

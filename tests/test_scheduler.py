@@ -9,6 +9,7 @@ import pickle
 import numpy as np
 import pytest
 
+from boosttune.config import from_dict
 from boosttune.scheduler.config import SchedulerConfig
 from boosttune.scheduler.costs import CostModel, tree_nodes
 from boosttune.scheduler.features import FeatureSpec, RequestFeatures, hashed_ngrams, lookup_hit_rate
@@ -196,10 +197,10 @@ def test_wrong_version_unknown_type_and_pickle_are_refused(scheduler, tmp_path):
 
 # -- config --------------------------------------------------------------------------------------
 def test_config_from_dict_names_unknown_fields_and_bad_values():
-    cfg = SchedulerConfig.from_dict({"prompts": "p.jsonl", "depths": [1, 2], "limit": 10})
+    cfg = from_dict(SchedulerConfig, {"prompts": "p.jsonl", "depths": [1, 2], "limit": 10}, "scheduler")
     assert cfg.depths == (1, 2) and cfg.label_depth == 2 and cfg.limit == 10
-    with pytest.raises(ValueError, match=r"unknown field\(s\) \['budget'\]"):
-        SchedulerConfig.from_dict({"budget": 3})
+    with pytest.raises(ValueError, match=r"unknown field scheduler\.budget"):
+        from_dict(SchedulerConfig, {"budget": 3}, "scheduler")
     with pytest.raises(ValueError, match="scheduler.train_fraction"):
         SchedulerConfig(train_fraction=1.5)
     with pytest.raises(ValueError, match="scheduler.widths"):
@@ -296,13 +297,13 @@ def test_ssm_depth_saturates_while_prompt_lookup_drafts_deeper(scheduler):
 
 
 def test_lookup_hit_rate_agrees_with_the_drafters_own_search():
-    """The O(T) feature must count exactly what ``find_continuation`` (the drafter) would guess."""
-    from boosttune.serving.lookup import find_continuation
+    """The O(T) feature must count exactly what ``find_match`` (the drafter's search) would guess."""
+    from boosttune.serving.lookup import find_match
 
     rng = np.random.default_rng(0)
     for _ in range(200):
         ids = rng.integers(0, 5, size=int(rng.integers(1, 40))).tolist()
-        guesses = [find_continuation(np.array(ids[:t]), 1) for t in range(1, len(ids))]
+        guesses = [find_match(np.array(ids[:t]), 1)[1] for t in range(1, len(ids))]
         hits = sum(g.size > 0 and g[0] == ids[t] for t, g in enumerate(guesses, start=1))
         assert lookup_hit_rate(ids) == pytest.approx(hits / max(1, len(ids) - 1)), ids
 

@@ -6,6 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from boosttune.models import resolve_model_path
+from boosttune.serving.server_text import TextStream
 from boosttune.serving.stops import StopCriteria
 
 
@@ -24,7 +25,9 @@ def test_stop_string_ends_on_the_token_that_completes_it():
     assert reason == "stop"
     text = tok.decode(ids[: 2 + len(kept)])
     assert text.endswith("42.") and "42." not in tok.decode(ids[: 1 + len(kept)])
-    assert stop.trim_text(tok.decode(ids)) == "The answer is "
+    shown = TextStream(tok, stop=("42.",))  # what a client is sent: the text before the stop string
+    shown.push(ids)
+    assert shown.text == "The answer is "
 
 
 def test_invalid_stop_configuration_is_refused():

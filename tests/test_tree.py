@@ -7,14 +7,14 @@ from transformers import DynamicCache
 
 from boosttune.serving.builders import TreeConfig, choose_children, merge_trees, rerank_keep, subtree
 from boosttune.serving.kv import compact_cache
-from boosttune.serving.tree import TokenTree, ancestor_mask, depth_from_parents, path_to, verification_inputs
+from boosttune.serving.tree import TokenTree, ancestor_mask, path_to, verification_inputs
 
 
 def make_tree(parents: list[int], tokens: list[int], proposer: int = 0) -> TokenTree:
     par = torch.tensor(parents)
     n = len(parents)
     return TokenTree(
-        tokens=torch.tensor(tokens), parents=par, depth=depth_from_parents(par),
+        tokens=torch.tensor(tokens), parents=par, depth=ancestor_mask(par).sum(dim=1),
         proposer=torch.full((n,), proposer), q_prob=torch.ones(n), dist_row=torch.full((n,), -1),
     )
 
