@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from boosttune.models import LoadedModel, eos_token_ids, load_llm_and_ssms, parse_dtype
-from boosttune.prompts import Prompt, encode_prompt, read_prompts
+from boosttune.core.models import LoadedModel, eos_token_ids, load_llm_and_ssms, parse_dtype
+from boosttune.core.prompts import Prompt, encode_prompt, read_prompts
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.draft_vocab import find_ranking, ranking_for

@@ -133,8 +133,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from boosttune.models import eos_token_ids, load_llm_and_ssms, parse_dtype
-    from boosttune.prompts import encode_prompt
+    from boosttune.core.models import eos_token_ids, load_llm_and_ssms, parse_dtype
+    from boosttune.core.prompts import encode_prompt
     from boosttune.serving.draft_vocab import ranking_for
     from boosttune.serving.engine import SpeculativeEngine
     from boosttune.serving.sampling import SamplingParams

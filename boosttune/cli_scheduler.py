@@ -80,9 +80,10 @@ def base_config(run_dir: str, config: str | None):
     import yaml
 
     from boosttune.config import from_dict  # typed conversion with errors that name the field
+    from boosttune.core.rundir import RunDir
     from boosttune.scheduler.config import SchedulerConfig
 
-    path = Path(config) if config else Path(run_dir) / "config.yaml"
+    path = Path(config) if config else RunDir(run_dir).config_path
     if config and not path.is_file():
         raise ValueError(f"--config: no such file: {path}")
     if not path.is_file():

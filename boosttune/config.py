@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
+from boosttune.core.rundir import RunDir
 from boosttune.scheduler.config import SchedulerConfig  # the `scheduler:` section (issue 4)
 
 
@@ -366,7 +367,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(b.match.k >= 1, "boost.match.k", "must be >= 1")
     _check(0 < b.match.fraction <= 1, "boost.match.fraction", "must be in (0, 1]")
     if cfg.teacher.reuse_from:
-        _check((Path(cfg.teacher.reuse_from) / "prompts" / "complete.json").is_file(), "teacher.reuse_from",
+        _check(RunDir(cfg.teacher.reuse_from).prompts_info() is not None, "teacher.reuse_from",
                f"{cfg.teacher.reuse_from} is not a run directory with a finished prompt set")
     if cfg.eval.prompts:
         _check(Path(cfg.eval.prompts).is_file(), "eval.prompts", f"file not found: {cfg.eval.prompts}")

@@ -8,34 +8,27 @@ lack it, from the same shards.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from boosttune import rundir
-from boosttune.serving.draft_vocab import FILE, rank_tokens, save_ranking
+from boosttune.core.rundir import RunDir
+from boosttune.serving.draft_vocab import rank_tokens, save_ranking
 
 
-def ranking_path(run: str | Path) -> Path:
-    return Path(run) / FILE
-
-
-def ensure_draft_ranking(run: str | Path, vocab_size: int, ds=None) -> Path:
+def ensure_draft_ranking(run: RunDir, vocab_size: int, ds=None) -> Path:
     """The run's ranking file, built from its teacher shards (``ds`` if already loaded) if missing."""
-    run = Path(run)
-    path = ranking_path(run)
+    path = run.draft_vocab_path
     if path.is_file():
         return path
-    marker = run / "prompts" / rundir.MARKER
-    if not marker.is_file():
+    info = run.prompts_info()
+    if info is None:
         raise ValueError(f"{run}: no {path.name} and no teacher outputs to rank tokens by; "
                          "use the whole vocabulary (draft vocabulary 0)")
-    info = json.loads(marker.read_text())
     if ds is None:
         from boosttune.config import load_config
         from boosttune.teacher import load_teacher
 
-        cfg = load_config(run / "config.yaml")
-        ds = load_teacher(run / "teacher", info["count"], cfg.teacher.shard_size)
+        cfg = load_config(run.config_path)
+        ds = load_teacher(run, info["count"], cfg.teacher.shard_size)
     ranking, counts = rank_tokens(ds.select(range(info["train"]))["output_ids"], vocab_size)
     save_ranking(path, ranking, counts)
     return path

@@ -8,14 +8,13 @@ merges all SSMs' trees (shared prefixes deduplicated). τ counts the bonus token
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from tqdm import tqdm
 
-from boosttune import rundir
 from boosttune.config import TrainConfig
-from boosttune.models import eos_token_ids, load_llm_and_ssms, parse_dtype
-from boosttune.prompts import encode_prompt, read_prompts
+from boosttune.core.models import eos_token_ids, load_llm_and_ssms, parse_dtype
+from boosttune.core.prompts import encode_prompt, read_prompts
+from boosttune.core.rundir import RunDir
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.engine import SpeculativeEngine
 from boosttune.serving.stops import StopCriteria
@@ -43,9 +42,9 @@ def tau_of(engine: SpeculativeEngine, prompts: list[list[int]], stop: StopCriter
             "tokens_per_s": tokens / secs if secs else 0.0}
 
 
-def evaluate_run(cfg: TrainConfig, run: Path, held_out: list[TrainPrompt]) -> dict:
+def evaluate_run(cfg: TrainConfig, run: RunDir, held_out: list[TrainPrompt]) -> dict:
     """{"prompts": n, "singles": [{ssm, tau, ...}], "ensemble": {...}} for the run's trained SSMs."""
-    dirs = rundir.ssm_dirs(run)  # the report lists every finished stage before evaluation runs
+    dirs = run.ssm_dirs()  # the report lists every finished stage before evaluation runs
     dtype = parse_dtype(cfg.llm.eval_dtype)
     llm, ssms = load_llm_and_ssms(cfg.llm.ref, [str(d) for d in dirs], dtype, dtype)
     prompts = eval_prompt_ids(cfg, llm.tokenizer, held_out)

@@ -18,8 +18,9 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from boosttune import rundir
-from boosttune.draft_ranking import ensure_draft_ranking, ranking_path
+from boosttune.core.files import atomic_write_json, sha256_file
+from boosttune.core.rundir import RunDir
+from boosttune.draft_ranking import ensure_draft_ranking
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.bundle import (
     BUNDLE_FORMAT,
@@ -29,7 +30,6 @@ from boosttune.serving.bundle import (
     TOKENIZER_DIR,
     BundleError,
     llm_content_hash,
-    sha256_file,
 )
 
 # Per-SSM files carried besides the weights; anything else in an SSM directory (tokenizer files,
@@ -60,27 +60,27 @@ def _versions() -> dict[str, str]:
     }
 
 
-def _llm_dir(report: dict, run_dir: Path) -> Path:
+def _llm_dir(report: dict, run: RunDir) -> Path:
     """The LLM the run trained against: its recorded path when it exists here, else its ref resolved."""
-    from boosttune.models import resolve_model_path
+    from boosttune.core.models import resolve_model_path
 
     llm = report.get("llm") or {}
     ref, path = llm.get("ref"), llm.get("path")
     if not isinstance(ref, str) or not ref:
-        raise ValueError(f"{run_dir / rundir.REPORT}: field 'llm.ref' is missing; is the run complete?")
+        raise ValueError(f"{run.report_path}: field 'llm.ref' is missing; is the run complete?")
     if isinstance(path, str) and Path(path).is_dir():
         return Path(path)
     return Path(resolve_model_path(ref))
 
 
-def _tree(report: dict, run_dir: Path) -> TreeConfig:
+def _tree(report: dict, run: RunDir) -> TreeConfig:
     raw = report.get("tree")
     if raw is None:
         return TreeConfig()
     try:
         return TreeConfig(**raw)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{run_dir / rundir.REPORT}: field 'tree' is not a valid tree configuration: {e}") from None
+        raise ValueError(f"{run.report_path}: field 'tree' is not a valid tree configuration: {e}") from None
 
 
 def _copy_ssm(src: Path, dest: Path, tokenizer_vocab: dict[str, int]) -> tuple[list[str], str | None]:
@@ -136,10 +136,10 @@ def _file_table(root: Path) -> dict[str, dict]:
     }
 
 
-def _draft_ranking(run: Path, llm_dir: Path) -> Path | None:
+def _draft_ranking(run: RunDir, llm_dir: Path) -> Path | None:
     """The run's draft vocabulary ranking (built from its teacher outputs if missing), or None
     for a run directory without teacher outputs."""
-    if not ranking_path(run).is_file() and not (run / "prompts" / rundir.MARKER).is_file():
+    if not run.draft_vocab_path.is_file() and run.prompts_info() is None:
         return None
     vocab = int(json.loads((llm_dir / "config.json").read_text())["vocab_size"])
     return ensure_draft_ranking(run, vocab)
@@ -161,16 +161,16 @@ def export_bundle(
     """
     from transformers import AutoTokenizer
 
-    run = Path(run_dir)
+    run = RunDir(run_dir)
     out = Path(out)
-    report = rundir.read_report(run)
-    stages = {str(run / s["ssm_dir"]): s for s in report.get("stages", []) if isinstance(s, dict) and "ssm_dir" in s}
-    ssm_dirs = rundir.ssm_dirs(run)
+    report = run.read_report()
+    stages = {str(run.root / s["ssm_dir"]): s for s in report.get("stages", []) if isinstance(s, dict) and "ssm_dir" in s}
+    ssm_dirs = run.ssm_dirs()
     if not ssm_dirs:
         raise ValueError(f"{run}: no complete SSM under ssms/ (no complete.json); finish `boosttune train` first")
     if out.exists() and any(out.iterdir()) and not force:
         raise ValueError(f"--out {out} exists and is not empty; choose another directory or pass --force")
-    if out.resolve() == run.resolve() or run.resolve() in out.resolve().parents:
+    if out.resolve() == run.root.resolve() or run.root.resolve() in out.resolve().parents:
         raise ValueError(f"--out {out} is inside the run directory; write the bundle elsewhere")
     if prompt_lookup < 0:
         raise ValueError(f"--prompt-lookup must be >= 0 (0 = off), got {prompt_lookup}")
@@ -184,7 +184,7 @@ def export_bundle(
     ranking = _draft_ranking(run, llm_dir)
     if tree.draft_vocab and ranking is None:
         raise ValueError(f"--draft-vocab {tree.draft_vocab}: {run} has no teacher outputs to rank tokens by "
-                         f"(no {ranking_path(run).name}); export with --draft-vocab 0")
+                         f"(no {run.draft_vocab_path.name}); export with --draft-vocab 0")
     try:
         llm_hash, llm_file_hashes = llm_content_hash(llm_dir)
     except BundleError as e:
@@ -212,15 +212,15 @@ def export_bundle(
         if ranking is not None:
             shutil.copyfile(ranking, tmp / ranking.name)
         scheduler = None
-        if (run / SCHEDULER_DIR).is_dir():
-            files = _copy_scheduler(run / SCHEDULER_DIR, tmp / SCHEDULER_DIR)
+        if run.scheduler_dir.is_dir():
+            files = _copy_scheduler(run.scheduler_dir, tmp / SCHEDULER_DIR)
             scheduler = {"dir": SCHEDULER_DIR, "files": [f"{SCHEDULER_DIR}/{f}" for f in files]}
         llm = report["llm"]
         manifest = {
             "format": BUNDLE_FORMAT,
             "kind": BUNDLE_KIND,
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "source_run": str(run.resolve()),
+            "source_run": str(run.root.resolve()),
             "versions": _versions(),
             "llm": {"ref": llm["ref"], "path": str(llm_dir.resolve()), "dtype": str(llm.get("dtype", "fp32")),
                     "sha256": llm_hash, "files": llm_file_hashes},
@@ -233,7 +233,7 @@ def export_bundle(
                      "budget": tree.budget, "min_prob": tree.min_prob, "draft_vocab": tree.draft_vocab},
             "files": _file_table(tmp),
         }
-        rundir.atomic_write_json(tmp / MANIFEST, manifest)  # last: a bundle without it is refused
+        atomic_write_json(tmp / MANIFEST, manifest)  # last: a bundle without it is refused
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

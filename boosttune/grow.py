@@ -12,7 +12,7 @@ import random
 import torch
 from tqdm import tqdm
 
-from boosttune.prompts import Prompt, encode_prompt
+from boosttune.core.prompts import Prompt, encode_prompt
 from boosttune.teacher import generate_batch
 
 _ASK = ("Here is an example of a {category} request someone might give an AI assistant:\n\n{seed}\n\n"

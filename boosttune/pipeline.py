@@ -1,6 +1,6 @@
 """`boosttune train`: prompts -> teacher shards -> N boost-tuned SSMs -> evaluation -> scheduler.
 
-Every phase leaves files in the run directory (layout in :mod:`boosttune.rundir`) and skips work
+Every phase leaves files in the run directory (layout in :mod:`boosttune.core.rundir`) and skips work
 whose files are already complete, so re-running the same command after any interruption continues
 where it stopped. Multi-process runs (torchrun, SLURM, or ``optim.devices > 1`` on one machine)
 run this same function on every rank (:mod:`boosttune.dist`).
@@ -23,13 +23,15 @@ from pathlib import Path
 
 import torch
 
-from boosttune import dist, rundir
+from boosttune import dist
 from boosttune.config import ConfigError, TrainConfig, dump_yaml, load_config, to_dict
+from boosttune.core.files import atomic_write_json, atomic_write_text, is_complete, mark_complete
+from boosttune.core.models import eos_token_ids, load_model, model_vocab_size, parse_dtype, resolve_model_path
+from boosttune.core.rundir import REPORT_FORMAT, RunDir
 from boosttune.distill import samples_from_teacher
 from boosttune.draft_ranking import ensure_draft_ranking
 from boosttune.faults import crash_point
 from boosttune.matching import is_match, summarize_agreement, teacher_forced_agreement
-from boosttune.models import eos_token_ids, load_model, model_vocab_size, parse_dtype, resolve_model_path
 from boosttune.sources import TrainPrompt, collect_prompts, default_seeds
 from boosttune.teacher import load_teacher, run_teacher
 
@@ -54,9 +56,9 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_or_save_config(cfg: TrainConfig, run: Path) -> None:
+def check_or_save_config(cfg: TrainConfig, run: RunDir) -> None:
     """First run: save the resolved config. Resume: refuse changes that would alter the results."""
-    path = run / "config.yaml"
+    path = run.config_path
     if path.exists():
         old = load_config(path)
         a, b = _flatten(to_dict(old)), _flatten(to_dict(cfg))
@@ -68,7 +70,7 @@ def check_or_save_config(cfg: TrainConfig, run: Path) -> None:
                 f"{k}: this run directory was started with {k}={a.get(k)!r}, now {b.get(k)!r}; resume with the "
                 f"same settings or use a new --run-dir ({len(changed)} field(s) differ: {', '.join(changed[:5])})")
     if dist.is_main():
-        rundir.atomic_write_text(path, dump_yaml(cfg))
+        atomic_write_text(path, dump_yaml(cfg))
 
 
 def preflight(cfg: TrainConfig) -> None:
@@ -85,7 +87,7 @@ def preflight(cfg: TrainConfig) -> None:
     if "ssm.init" in paths:  # tokenizers only: a vocabulary mismatch fails before any weights load
         from transformers import AutoConfig, AutoTokenizer
 
-        from boosttune.models import check_same_vocabulary
+        from boosttune.core.models import check_same_vocabulary
 
         toks = {w: AutoTokenizer.from_pretrained(p) for w, p in paths.items()}
         sizes = {w: AutoConfig.from_pretrained(p).vocab_size for w, p in paths.items()}
@@ -105,8 +107,8 @@ def preflight(cfg: TrainConfig) -> None:
 
 def check_reuse(cfg: TrainConfig) -> None:
     """``teacher.reuse_from`` needs a run made with the same LLM, prompt and teacher settings."""
-    src = Path(cfg.teacher.reuse_from)
-    theirs = _flatten(to_dict(load_config(src / "config.yaml")))
+    src = RunDir(cfg.teacher.reuse_from)
+    theirs = _flatten(to_dict(load_config(src.config_path)))
     ours = _flatten(to_dict(cfg))
     for k in sorted(ours):
         if k.startswith(("llm.ref", "llm.teacher_dtype", "prompts.", "teacher.")) and k != "teacher.reuse_from" \
@@ -114,15 +116,15 @@ def check_reuse(cfg: TrainConfig) -> None:
             raise ConfigError(f"teacher.reuse_from: {src} was made with {k}={theirs.get(k)!r}, this run has {ours[k]!r}")
 
 
-def reuse_teacher(cfg: TrainConfig, run: Path) -> None:
+def reuse_teacher(cfg: TrainConfig, run: RunDir) -> None:
     """Hard-link another run's prompt set and teacher shards into ``run``."""
-    src = Path(cfg.teacher.reuse_from)
-    if rundir.is_complete(run / "prompts"):
+    src = RunDir(cfg.teacher.reuse_from)
+    if is_complete(run.prompts_dir):
         return
-    for name in ("teacher", "prompts"):  # prompts last: its marker says the reuse is complete
-        dst = run / name
-        shutil.rmtree(dst, ignore_errors=True)
-        shutil.copytree(src / name, dst, copy_function=_link_or_copy, ignore=shutil.ignore_patterns(".*.tmp"))
+    # the prompts last: their marker says the reuse is complete
+    for theirs, ours in ((src.teacher_dir, run.teacher_dir), (src.prompts_dir, run.prompts_dir)):
+        shutil.rmtree(ours, ignore_errors=True)
+        shutil.copytree(theirs, ours, copy_function=_link_or_copy, ignore=shutil.ignore_patterns(".*.tmp"))
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -144,11 +146,11 @@ def _split(n: int, held_out: float) -> int:
     return min(max(h, 0), max(n - 1, 0))
 
 
-def build_prompts(cfg: TrainConfig, run: Path, llm) -> dict:
+def build_prompts(cfg: TrainConfig, run: RunDir, llm) -> dict:
     """Rank 0 writes prompts/prompts.jsonl (shuffled; the last ``held_out`` are held out)."""
-    pdir = run / "prompts"
-    if rundir.is_complete(pdir):
-        return json.loads((pdir / rundir.MARKER).read_text())
+    info = run.prompts_info()
+    if info is not None:
+        return info
     prompts = collect_prompts(cfg.prompts, llm.tokenizer)
     grown = 0
     if cfg.prompts.grow:
@@ -157,7 +159,7 @@ def build_prompts(cfg: TrainConfig, run: Path, llm) -> dict:
         llm.model.config._attn_implementation = cfg.teacher.attn_implementation
         new = grow_prompts(llm.model, llm.tokenizer, default_seeds(), cfg.prompts.grow, eos_token_ids(llm),
                            seed=cfg.prompts.shuffle_seed, batch_size=cfg.teacher.batch_size)
-        from boosttune.prompts import encode_prompt
+        from boosttune.core.prompts import encode_prompt
 
         for p in new:
             ids = encode_prompt(llm.tokenizer, p)
@@ -174,33 +176,32 @@ def build_prompts(cfg: TrainConfig, run: Path, llm) -> dict:
         by_source[p.source] = by_source.get(p.source, 0) + 1
     info = {"count": len(prompts), "train": len(prompts) - held, "held_out": held, "grown": grown,
             "by_source": by_source}
-    pdir.mkdir(parents=True, exist_ok=True)
-    rundir.atomic_write_text(pdir / "prompts.jsonl", "".join(p.to_json() + "\n" for p in prompts))
-    rundir.mark_complete(pdir, info)
+    atomic_write_text(run.prompts_file, "".join(p.to_json() + "\n" for p in prompts))
+    mark_complete(run.prompts_dir, info)
     return info
 
 
-def read_prompts_file(run: Path) -> list[TrainPrompt]:
+def read_prompts_file(run: RunDir) -> list[TrainPrompt]:
     # split on "\n" only: str.splitlines also splits at U+2028, U+0085 ..., which JSON strings may hold
-    text = (run / "prompts" / "prompts.jsonl").read_text(encoding="utf-8")
+    text = run.prompts_file.read_text(encoding="utf-8")
     return [TrainPrompt.from_json(x) for x in text.split("\n") if x.strip()]
 
 
 # ------------------------------------------------------------------------------------------ teacher
-def teacher_phase(cfg: TrainConfig, run: Path, llm, prompts: list[TrainPrompt]) -> dict:
+def teacher_phase(cfg: TrainConfig, run: RunDir, llm, prompts: list[TrainPrompt]) -> dict:
     llm.model.config._attn_implementation = cfg.teacher.attn_implementation
-    stats = run_teacher(llm.model, llm.tokenizer, prompts, cfg.teacher, run / "teacher", eos_token_ids(llm),
+    stats = run_teacher(llm.model, llm.tokenizer, prompts, cfg.teacher, run, eos_token_ids(llm),
                         rank=dist.rank(), world=dist.world_size(), seed=cfg.optim.seed)
     if stats["tokens"]:
-        path = run / "teacher" / f"stats-rank{dist.rank():03d}.json"
+        path = run.teacher_stats(dist.rank())
         old = json.loads(path.read_text()) if path.exists() else {"tokens": 0, "seconds": 0.0}
-        rundir.atomic_write_json(path, {"tokens": old["tokens"] + stats["tokens"],
+        atomic_write_json(path, {"tokens": old["tokens"] + stats["tokens"],
                                         "seconds": old["seconds"] + stats["seconds"]})
     return stats
 
 
-def teacher_summary(run: Path, ds) -> dict:
-    per_rank = [json.loads(p.read_text()) for p in sorted((run / "teacher").glob("stats-rank*.json"))]
+def teacher_summary(run: RunDir, ds) -> dict:
+    per_rank = [json.loads(p.read_text()) for p in run.teacher_stats_files()]
     tokens = sum(len(x) for x in ds["output_ids"])
     secs = max((r["seconds"] for r in per_rank), default=0.0)  # ranks run in parallel
     measured = sum(r["tokens"] for r in per_rank)
@@ -210,20 +211,12 @@ def teacher_summary(run: Path, ds) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- stages
-def _stage_dir(run: Path, k: int) -> Path:
-    return run / "stages" / f"stage-{k}"
-
-
-def _ssm_dir(run: Path, k: int) -> Path:
-    return run / "ssms" / f"ssm-{k}"
-
-
-def stage_pool(cfg: TrainConfig, run: Path, k: int, n_train: int) -> list[int]:
+def stage_pool(cfg: TrainConfig, run: RunDir, k: int, n_train: int) -> list[int]:
     """Training-sample indices of stage ``k`` (boost: minus what stage k-1 matched)."""
     everything = list(range(n_train))
     if k == 1 or cfg.boost.mode == "independent":
         return everything
-    prev = json.loads((_stage_dir(run, k - 1) / "match.json").read_text())
+    prev = json.loads(run.stage_match(k - 1).read_text())
     if prev["pool_after_size"] < cfg.boost.min_pool:
         return everything
     return prev["pool_after"]
@@ -237,16 +230,16 @@ def _score(model, samples, pad_id: int, autocast: bool) -> dict[int, list[bool]]
     return dict(zip(mine, rows, strict=True))
 
 
-def _gather_scores(stage_dir: Path, name: str, part: dict[int, list[bool]], n: int) -> list[list[bool]]:
+def _gather_scores(run: RunDir, k: int, name: str, part: dict[int, list[bool]], n: int) -> list[list[bool]]:
     """Every rank's scores, through files (works with or without a process group)."""
-    rundir.atomic_write_json(stage_dir / f"{name}-rank{dist.rank():03d}.json", {str(i): v for i, v in part.items()})
+    atomic_write_json(run.stage_scores(k, name, dist.rank()), {str(i): v for i, v in part.items()})
     dist.barrier()
     rows: list = [None] * n
-    for p in stage_dir.glob(f"{name}-rank*.json"):
+    for p in run.stage_scores_files(k, name):
         for i, v in json.loads(p.read_text()).items():
             rows[int(i)] = v
     if any(r is None for r in rows):
-        raise RuntimeError(f"{stage_dir}: {name} scores missing for some samples (a rank failed?)")
+        raise RuntimeError(f"{run.stage_dir(k)}: {name} scores missing for some samples (a rank failed?)")
     return rows
 
 
@@ -256,48 +249,48 @@ def acceptance_profile(rows: list[list[bool]], depths: int = PROFILE_DEPTHS) -> 
     return [sum(p >= d for p in prefix) / max(1, len(prefix)) for d in range(1, depths + 1)]
 
 
-def build_init(cfg: TrainConfig, run: Path, llm) -> Path:
+def build_init(cfg: TrainConfig, run: RunDir, llm) -> Path:
     """Rank 0 saves the SSMs' common starting weights once (every stage starts from them)."""
     from boosttune.ssm_init import init_ssm
 
-    out = run / "ssm-init"
-    if dist.is_main() and not rundir.is_complete(out):
+    out = run.ssm_init_dir
+    if dist.is_main() and not is_complete(out):
         _publish_model(init_ssm(llm, cfg.ssm), llm.tokenizer, out, {"init": cfg.ssm.init})
     dist.barrier()
     return out
 
 
-def run_stage(cfg: TrainConfig, run: Path, k: int, init_dir: Path, tokenizer, train, held, pad_id: int) -> dict:
+def run_stage(cfg: TrainConfig, run: RunDir, k: int, init_dir: Path, tokenizer, train, held, pad_id: int) -> dict:
     """Train SSM ``k`` on its pool, score it, save it; returns the stage's summary."""
     from transformers import AutoModelForCausalLM
 
     from boosttune.stage import precision, train_stage
 
-    sdir, out = _stage_dir(run, k), _ssm_dir(run, k)
-    summary_path = sdir / "summary.json"
-    if rundir.is_complete(out) and summary_path.exists():
+    out, summary_path = run.ssm_dir(k), run.stage_summary(k)
+    if is_complete(out) and summary_path.exists():
         return json.loads(summary_path.read_text())
-    sdir.mkdir(parents=True, exist_ok=True)
+    run.stage_dir(k).mkdir(parents=True, exist_ok=True)
     pool = stage_pool(cfg, run, k, len(train))
     t0 = time.perf_counter()
     _log(f"stage {k}/{cfg.boost.num_ssms}: training on {len(pool)} of {len(train)} samples")
     model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32).train()
-    model, stats = train_stage(model, [train[i] for i in pool], cfg, sdir, pad_id, seed=cfg.optim.seed + k)
+    model, stats = train_stage(model, [train[i] for i in pool], cfg, run.stage_dir(k), run.stage_checkpoint(k), pad_id,
+                               seed=cfg.optim.seed + k)
     model.eval()
     autocast = precision(cfg).startswith("bf16")
-    train_rows = _gather_scores(sdir, "train", _score(model, train, pad_id, autocast), len(train))
-    held_rows = _gather_scores(sdir, "heldout", _score(model, held, pad_id, autocast), len(held))
+    train_rows = _gather_scores(run, k, "train", _score(model, train, pad_id, autocast), len(train))
+    held_rows = _gather_scores(run, k, "heldout", _score(model, held, pad_id, autocast), len(held))
     m = cfg.boost.match
     train_match = [is_match(r, m) for r in train_rows]
     held_match = [is_match(r, m) for r in held_rows]
     pool_after = [i for i in pool if not train_match[i]]
-    earlier = [json.loads((_stage_dir(run, j) / "match.json").read_text())["heldout_matched"] for j in range(1, k)]
+    earlier = [json.loads(run.stage_match(j).read_text())["heldout_matched"] for j in range(1, k)]
     ensemble = [any(x) for x in zip(held_match, *earlier, strict=True)] if held else []
     match = {"pool": pool, "pool_after": pool_after, "pool_after_size": len(pool_after),
              "train_matched": train_match, "heldout_matched": held_match}
     held_agree = summarize_agreement(held_rows)
     summary = {
-        "stage": k, "ssm_dir": f"ssms/ssm-{k}", "mode": cfg.boost.mode,
+        "stage": k, "ssm_dir": run.relative(out), "mode": cfg.boost.mode,
         "pool_before": len(pool), "pool_after": len(pool_after),
         "match_rate": sum(train_match[i] for i in pool) / max(1, len(pool)),
         "heldout_match_rate": sum(held_match) / max(1, len(held)),
@@ -308,10 +301,10 @@ def run_stage(cfg: TrainConfig, run: Path, k: int, init_dir: Path, tokenizer, tr
         **stats, "stage_seconds": time.perf_counter() - t0,
     }
     if dist.is_main():
-        rundir.atomic_write_json(sdir / "match.json", match)
+        atomic_write_json(run.stage_match(k), match)
         _save_ssm(model, tokenizer, out, summary)
         crash_point("ssm-saved")
-        rundir.atomic_write_json(summary_path, summary)
+        atomic_write_json(summary_path, summary)
     dist.barrier()
     return summary
 
@@ -329,19 +322,19 @@ def _publish_model(model, tokenizer, out: Path, marker: dict, stats: dict | None
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     if stats is not None:
-        rundir.atomic_write_json(tmp / "stats.json", stats)
-    rundir.mark_complete(tmp, marker)
+        atomic_write_json(tmp / "stats.json", stats)
+    mark_complete(tmp, marker)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
 
 
 # ------------------------------------------------------------------------------------------ report
-def write_report(cfg: TrainConfig, run: Path, teacher: dict, prompts_info: dict, stages: list[dict],
+def write_report(cfg: TrainConfig, run: RunDir, teacher: dict, prompts_info: dict, stages: list[dict],
                  evaluation: dict | None) -> dict:
     from boosttune.serving.builders import TreeConfig
 
     report = {
-        "format": rundir.REPORT_FORMAT,
+        "format": REPORT_FORMAT,
         "llm": {"ref": cfg.llm.ref, "path": resolve_model_path(cfg.llm.ref), "dtype": cfg.llm.eval_dtype},
         "tree": asdict(TreeConfig(kind="expansion", widths=tuple(cfg.eval.widths))),
         "world_size": dist.world_size(),
@@ -351,17 +344,17 @@ def write_report(cfg: TrainConfig, run: Path, teacher: dict, prompts_info: dict,
         "evaluation": evaluation,
     }
     if dist.is_main():
-        rundir.atomic_write_json(run / rundir.REPORT, report)
+        atomic_write_json(run.report_path, report)
     return report
 
 
 # -------------------------------------------------------------------------------------------- main
 def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
     """Run (or resume) the whole pipeline in ``run_dir``; returns the report."""
-    run = Path(run_dir)
+    run = RunDir(run_dir)
     dist.init()
     if dist.is_main():
-        run.mkdir(parents=True, exist_ok=True)
+        run.root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     check_or_save_config(cfg, run)
     t_start = time.perf_counter()
@@ -373,7 +366,7 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
             reuse_teacher(cfg, run)
         build_prompts(cfg, run, llm)
     dist.barrier()
-    prompts_info = json.loads((run / "prompts" / rundir.MARKER).read_text())
+    prompts_info = run.prompts_info()
     prompts = read_prompts_file(run)
     _log(f"prompts: {prompts_info['count']} ({prompts_info['by_source']}), {prompts_info['held_out']} held out")
 
@@ -381,7 +374,7 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
     if stats["tokens"]:
         _log(f"teacher: {stats['tokens']} tokens in {stats['seconds']:.0f} s ({stats['tokens_per_s']:.0f} tok/s, rank 0)")
     dist.barrier()
-    ds = load_teacher(run / "teacher", len(prompts), cfg.teacher.shard_size)
+    ds = load_teacher(run, len(prompts), cfg.teacher.shard_size)
     teacher = teacher_summary(run, ds)
     if dist.is_main():
         ensure_draft_ranking(run, model_vocab_size(llm.model), ds)
@@ -411,5 +404,5 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
         from boosttune.scheduler.train import train_scheduler
 
         report["scheduler"] = train_scheduler(run, cfg.scheduler)
-    _log(f"done in {time.perf_counter() - t_start:.0f} s; report: {run / rundir.REPORT}")
+    _log(f"done in {time.perf_counter() - t_start:.0f} s; report: {run.report_path}")
     return report

@@ -21,7 +21,7 @@ from importlib import resources
 from pathlib import Path
 
 from boosttune.config import PromptsConfig, SourceConfig
-from boosttune.prompts import Prompt, encode_prompt, read_prompts
+from boosttune.core.prompts import Prompt, encode_prompt, read_prompts
 
 OPENWEBTEXT_HUB_ID = "Skylion007/openwebtext"  # the corpus SpecInfer boost-tunes on (arXiv 2305.09781, §6)
 

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from boosttune.config import SSMInitConfig
-from boosttune.models import check_same_vocabulary, load_model, model_vocab_size
+from boosttune.core.models import check_same_vocabulary, load_model, model_vocab_size
 
 
 def _layer_prefix(model: PreTrainedModel) -> str:

@@ -1,7 +1,7 @@
 """One boost-tuning stage's training run: a Lightning Trainer from the typed config, resumable.
 
 Checkpoints are written every ``optim.checkpoint_every`` steps and at the end to a temporary name
-and renamed to ``STAGE_DIR/checkpoints/last.ckpt`` (a file, or a folder under DeepSpeed), so a kill
+and renamed to the stage's checkpoint (``RunDir.stage_checkpoint``: a file, or a folder under DeepSpeed), so a kill
 at any moment leaves the previous whole checkpoint; running again resumes from it (optimizer,
 scheduler, step and data order included).
 """
@@ -112,8 +112,9 @@ def apply_lora(model, cfg: TrainConfig):
                                             target_modules=list(lc.target_modules), task_type="CAUSAL_LM"))
 
 
-def train_stage(model, samples: list[Sample], cfg: TrainConfig, stage_dir: Path, pad_id: int, seed: int):
-    """Train ``model`` on ``samples``; returns (trained plain HF model, stats)."""
+def train_stage(model, samples: list[Sample], cfg: TrainConfig, stage_dir: Path, ckpt: Path, pad_id: int, seed: int):
+    """Train ``model`` on ``samples`` (logs under ``stage_dir``, resumable from ``ckpt``); returns
+    (trained plain HF model, stats)."""
     o = cfg.optim
     L.seed_everything(seed, workers=True, verbose=False)
     if cfg.ssm.freeze_embeddings:
@@ -124,7 +125,6 @@ def train_stage(model, samples: list[Sample], cfg: TrainConfig, stage_dir: Path,
     data = BatchDataset(samples, o.batch_tokens, pad_id, seed)
     loader = DataLoader(data, batch_size=None, shuffle=True, num_workers=0,
                         generator=torch.Generator().manual_seed(seed))
-    ckpt = stage_dir / "checkpoints" / "last.ckpt"
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     trainer = L.Trainer(
         accelerator=o.accelerator, devices=o.devices, num_nodes=o.num_nodes, strategy=_strategy(cfg),

@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from boosttune.config import TeacherConfig
+from boosttune.core.rundir import RunDir
 from boosttune.faults import crash_point
 from boosttune.sources import TrainPrompt
 
@@ -47,10 +48,6 @@ def schema(topk: int) -> pa.Schema:
         fields += [pa.field("topk_ids", pa.list_(pa.list_(pa.int32()))),
                    pa.field("topk_logprobs", pa.list_(pa.list_(pa.float32())))]
     return pa.schema(fields)
-
-
-def shard_path(teacher_dir: Path, k: int) -> Path:
-    return teacher_dir / f"shard-{k:05d}.arrow"
 
 
 def num_shards(n_prompts: int, shard_size: int) -> int:
@@ -127,13 +124,13 @@ def _write_shard(path: Path, prompts: Sequence[TrainPrompt], conts: Sequence[Con
 
 
 def run_teacher(
-    model, tokenizer, prompts: Sequence[TrainPrompt], cfg: TeacherConfig, teacher_dir: Path,
+    model, tokenizer, prompts: Sequence[TrainPrompt], cfg: TeacherConfig, run: RunDir,
     eos_ids: frozenset[int], rank: int = 0, world: int = 1, seed: int = 0,
 ) -> dict:
     """Write this rank's missing shards; returns what this call generated (tokens, seconds, tok/s)."""
-    teacher_dir.mkdir(parents=True, exist_ok=True)
+    run.teacher_dir.mkdir(parents=True, exist_ok=True)
     n = num_shards(len(prompts), cfg.shard_size)
-    todo = [k for k in my_shards(n, rank, world) if not shard_path(teacher_dir, k).exists()]
+    todo = [k for k in my_shards(n, rank, world) if not run.teacher_shard(k).exists()]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
     tokens, t0 = 0, time.perf_counter()
     bar = tqdm(total=len(todo), desc=f"teacher[rank {rank}]", unit="shard", dynamic_ncols=True, disable=None)
@@ -151,7 +148,7 @@ def run_teacher(
                 conts[i] = c
                 tokens += len(c.output_ids)
             bar.set_postfix(tok=tokens, tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
-        _write_shard(shard_path(teacher_dir, k), shard, conts, cfg.topk_logprobs)
+        _write_shard(run.teacher_shard(k), shard, conts, cfg.topk_logprobs)
         bar.update(1)
     bar.close()
     secs = time.perf_counter() - t0
@@ -159,17 +156,17 @@ def run_teacher(
             "tokens_per_s": tokens / secs if secs > 0 and tokens else 0.0}
 
 
-def missing_shards(teacher_dir: Path, n_prompts: int, shard_size: int) -> list[int]:
-    return [k for k in range(num_shards(n_prompts, shard_size)) if not shard_path(teacher_dir, k).exists()]
+def missing_shards(run: RunDir, n_prompts: int, shard_size: int) -> list[int]:
+    return [k for k in range(num_shards(n_prompts, shard_size)) if not run.teacher_shard(k).exists()]
 
 
-def load_teacher(teacher_dir: Path, n_prompts: int, shard_size: int):
+def load_teacher(run: RunDir, n_prompts: int, shard_size: int):
     """All shards as one `datasets.Dataset` in prompt order (every shard must exist)."""
     import datasets
 
-    missing = missing_shards(teacher_dir, n_prompts, shard_size)
+    missing = missing_shards(run, n_prompts, shard_size)
     if missing:
-        raise RuntimeError(f"{teacher_dir}: teacher shards {missing[:5]} are missing; re-run to finish them")
-    parts = [datasets.Dataset.from_file(str(shard_path(teacher_dir, k)))
+        raise RuntimeError(f"{run.teacher_dir}: teacher shards {missing[:5]} are missing; re-run to finish them")
+    parts = [datasets.Dataset.from_file(str(run.teacher_shard(k)))
              for k in range(num_shards(n_prompts, shard_size))]
     return datasets.concatenate_datasets(parts)

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from boosttune.rundir import atomic_write_text
+from boosttune.core.files import atomic_write_text
 
 FORMAT = "boosttune.scheduler"
 VERSION = 1

@@ -27,17 +27,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from boosttune.core.files import MARKER, atomic_write_json, atomic_write_text, mark_complete
+from boosttune.core.models import eos_token_ids, load_llm_and_ssms, model_vocab_size
+from boosttune.core.prompts import encode_prompt, read_prompts
+from boosttune.core.rundir import RunDir
 from boosttune.draft_ranking import ensure_draft_ranking
-from boosttune.models import eos_token_ids, load_llm_and_ssms, model_vocab_size
-from boosttune.prompts import encode_prompt, read_prompts
-from boosttune.rundir import (
-    MARKER,
-    atomic_write_json,
-    atomic_write_text,
-    mark_complete,
-    read_report,
-    ssm_dirs,
-)
 from boosttune.scheduler.config import SchedulerConfig
 from boosttune.scheduler.costs import calibrate
 from boosttune.scheduler.evaluate import best_fixed, fixed_policies, real_policies, replay_policies, summarize
@@ -57,17 +51,6 @@ from boosttune.serving.stops import StopCriteria
 REPORT_FORMAT = 1
 SPECINFER_WIDTHS = (1, 1, 3, 1, 1, 1, 1, 1)
 OVERHEAD_TARGET = 0.02  # the scheduler may cost at most 2 % of a request's latency
-
-
-def scheduler_paths(run_dir: str | Path) -> dict[str, Path]:
-    run = Path(run_dir)
-    return {
-        "dir": run / "scheduler",
-        "scheduler": run / "scheduler" / "scheduler.json",
-        "labels": run / "scheduler_labels.jsonl",
-        "report": run / "scheduler_report.json",
-        "plot": run / "scheduler_report.png",
-    }
 
 
 def resolve_widths(cfg: SchedulerConfig, tree: dict | None) -> tuple[int, ...]:
@@ -109,10 +92,10 @@ class _Setup:
     stop: StopCriteria
 
 
-def _setup(run: Path, cfg: SchedulerConfig) -> _Setup:
+def _setup(run: RunDir, cfg: SchedulerConfig) -> _Setup:
     """Check the run and the prompts, load the LLM and SSMs, encode the requests, warm up."""
-    report = read_report(run)
-    ssm_paths = ssm_dirs(run)
+    report = run.read_report()
+    ssm_paths = run.ssm_dirs()
     if not ssm_paths:
         raise ValueError(f"{run}: no complete SSMs under ssms/; the scheduler needs trained SSMs")
     train_prompts, eval_prompts = split_prompts(cfg)
@@ -169,9 +152,8 @@ def train_scheduler(
         log: progress lines (default: stderr).
     """
     say = log or (lambda s: print(f"[train-scheduler] {s}", file=sys.stderr, flush=True))
-    run, clock = Path(run_dir), {}
-    paths = scheduler_paths(run)
-    (paths["dir"] / MARKER).unlink(missing_ok=True)  # a retrain is incomplete until it finishes
+    run, clock = RunDir(run_dir), {}
+    (run.scheduler_dir / MARKER).unlink(missing_ok=True)  # a retrain is incomplete until it finishes
     with _timed(clock, "load_s"):
         st = _setup(run, cfg)
     with _timed(clock, "labels_s"):
@@ -203,8 +185,8 @@ def train_scheduler(
     with _timed(clock, "fit_s"):
         scheduler = fit_scheduler(train_rec, costs, st.spec, st.widths, cfg)
         scheduler.meta.update({**st.meta, "created": time.time()})
-        scheduler.save(paths["scheduler"])
-        scheduler = Scheduler.load(paths["scheduler"])  # evaluate what serving will load
+        scheduler.save(run.scheduler_file)
+        scheduler = Scheduler.load(run.scheduler_file)  # evaluate what serving will load
     with _timed(clock, "replay_s"):
         fixed = fixed_policies(train_rec, costs, st.names)
         replayed = replay_policies(eval_rec, [ids for _, ids in st.eval_req], scheduler, fixed, cfg.seed)
@@ -221,10 +203,10 @@ def train_scheduler(
             _ticker(say, len(st.eval_req), "evaluated"),
         )
     out = build_report(run, cfg, scheduler, fixed, replayed, real, choices, train_rec, eval_rec, clock)
-    _write_labels(paths["labels"], train_rec, eval_rec)
-    atomic_write_json(paths["report"], out)
-    plot_tokens_per_s(out, paths["plot"])
-    mark_complete(paths["dir"], {"scheduler": "scheduler.json", "report": "../scheduler_report.json"})
+    _write_labels(run.scheduler_labels, train_rec, eval_rec)
+    atomic_write_json(run.scheduler_report, out)
+    plot_tokens_per_s(out, run.scheduler_plot)
+    mark_complete(run.scheduler_dir, {"scheduler": run.scheduler_file.name, "report": f"../{run.scheduler_report.name}"})
     say(format_table(out))
     return out
 
@@ -299,7 +281,7 @@ def build_report(run, cfg, scheduler, fixed, replayed, real, choices, train_rec,
         headline["learned_vs_best_fixed_real_ci95"] = paired_ratio_ci(real["learned"], real[twins[0]])
     return {
         "format": REPORT_FORMAT,
-        "run_dir": str(run),
+        "run_dir": str(run.root),
         "llm": {
             "ref": scheduler.meta.get("llm"),
             "dtype": scheduler.meta.get("dtype"),

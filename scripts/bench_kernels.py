@@ -78,7 +78,7 @@ from boosttune.serving.tree import ancestor_mask  # noqa: E402
 LLAMA2_7B = dict(hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008, vocab=32000, context=4096)
 # SmolLM2-135M: hidden 576, 9 query heads, 3 kv heads, head dim 64 (HuggingFaceTB/SmolLM2-135M
 # config.json; Allal et al. 2025, arXiv 2502.02737). The same numbers are in the config this
-# project converts from the default LLM's GGUF (boosttune.models).
+# project converts from the default LLM's GGUF (boosttune.core.models).
 SMOLLM2_135M = dict(heads=9, kv_heads=3, head_dim=64)
 
 KERNEL_SHAPES = {  # name -> (H, Hkv, C)

@@ -66,7 +66,7 @@ def _percentile(xs: list[float], q: float) -> float:
 
 def _prompts(path: str | None) -> list[str]:
     sys.path.insert(0, str(ROOT))
-    from boosttune.prompts import read_prompts
+    from boosttune.core.prompts import read_prompts
 
     source = Path(path) if path else MT_BENCH
     if source.is_file():

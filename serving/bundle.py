@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from boosttune.models import sha256_file  # noqa: F401  (re-exported: export and tests hash with it)
+from boosttune.core.files import sha256_file
 from boosttune.serving.builders import TreeConfig
 
 MANIFEST = "manifest.json"
@@ -346,7 +346,7 @@ def verify_files(root: Path, manifest: Manifest) -> None:
 
 def resolve_llm_dir(manifest: Manifest, override: str | None = None) -> Path:
     """Where the bundle's LLM is on this machine: ``override``, else its ref, else export's path."""
-    from boosttune.models import TINY_LLM, resolve_model_path
+    from boosttune.core.models import TINY_LLM, resolve_model_path
 
     if override:
         try:
@@ -479,7 +479,7 @@ def load_bundle(
     """
     from transformers import AutoTokenizer
 
-    from boosttune.models import LoadedModel, check_same_vocabulary, model_vocab_size, parse_dtype
+    from boosttune.core.models import LoadedModel, check_same_vocabulary, model_vocab_size, parse_dtype
 
     verified = verify_bundle(bundle, llm)
     root, manifest = verified.root, verified.manifest

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-FILE = "draft_vocab.json"
+from boosttune.core.rundir import DRAFT_VOCAB, RunDir
+
 FORMAT = "boosttune.draft_vocab"
 VERSION = 1
 
@@ -92,15 +93,15 @@ def find_ranking(explicit: str | Path | None, ssm_dirs: Sequence[str | Path]) ->
     an SSM's directory or its training run (``RUN_DIR/ssms/ssm-K`` → ``RUN_DIR``)."""
     if explicit is not None:
         p = Path(explicit)
-        p = p / FILE if p.is_dir() else p
+        p = p / DRAFT_VOCAB if p.is_dir() else p
         if not p.is_file():
-            raise ValueError(f"--draft-ranking {explicit}: no {FILE} there")
+            raise ValueError(f"--draft-ranking {explicit}: no {DRAFT_VOCAB} there")
         return p
     for ssm in ssm_dirs:
-        for candidate in (Path(ssm) / FILE, Path(ssm).parent.parent / FILE):
+        for candidate in (Path(ssm) / DRAFT_VOCAB, RunDir.of_ssm(ssm).draft_vocab_path):
             if candidate.is_file():
                 return candidate
-    raise ValueError(f"--draft-vocab needs the token ranking ({FILE}, written by `boosttune train` in its run "
+    raise ValueError(f"--draft-vocab needs the token ranking ({DRAFT_VOCAB}, written by `boosttune train` in its run "
                      "directory); pass --draft-ranking RUN_DIR")
 
 

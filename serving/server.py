@@ -120,7 +120,7 @@ class _State:
     def __init__(self, bundle: LoadedBundle, config: ServerConfig):
         from transformers import AutoTokenizer
 
-        from boosttune.models import eos_token_ids, model_vocab_size
+        from boosttune.core.models import eos_token_ids, model_vocab_size
 
         self.bundle = bundle
         self.config = config

@@ -14,8 +14,9 @@ import pytest
 import torch
 from conftest import perturbed
 
-from boosttune import rundir
-from boosttune.models import TINY_LLM, load_model, model_vocab_size
+from boosttune.core.files import atomic_write_json, mark_complete
+from boosttune.core.models import TINY_LLM, load_model, model_vocab_size
+from boosttune.core.rundir import REPORT_FORMAT, RunDir
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.draft_vocab import rank_tokens, save_ranking
 from boosttune.serving.stops import StopCriteria
@@ -30,36 +31,37 @@ def write_ranking(root: Path, llm) -> None:
     outs = [incremental_generate(llm.model, llm.tokenizer(p)["input_ids"], StopCriteria(max_new_tokens=24)).tokens
             for p in ("Hello there", "Write a poem", "What is 2 + 2?")]
     ranked, counts = rank_tokens(outs, model_vocab_size(llm.model))
-    save_ranking(root / "draft_vocab.json", ranked, counts)
+    save_ranking(RunDir(root).draft_vocab_path, ranked, counts)
 
 
 def make_run_dir(root: Path, n_ssms: int = 2, scheduler: bool = True, ranking: bool = True) -> Path:
     """Write a run directory with ``n_ssms`` complete SSMs under ``root``; returns ``root``.
     With ``ranking``, the draft vocabulary ranking counted over the LLM's greedy continuations."""
     llm = load_model(TINY_LLM)
+    run = RunDir(root)
     if ranking:
         write_ranking(root, llm)
     stages = []
     for k in range(1, n_ssms + 1):
-        ssm_dir = root / "ssms" / f"ssm-{k}"
+        ssm_dir = run.ssm_dir(k)
         ssm = perturbed(llm.model, seed=100 + k, noise=0.02 * k)
         ssm.save_pretrained(ssm_dir)
         llm.tokenizer.save_pretrained(ssm_dir)
         profile = {"per_depth": [0.6 / k, 0.4 / k, 0.2 / k], "per_rank": [[0.5, 0.1]]}
-        rundir.atomic_write_json(ssm_dir / "stats.json", {"train_loss": 1.0 + k, "acceptance_profile": profile})
-        rundir.mark_complete(ssm_dir, {"stage": k})
-        stages.append({"stage": k, "ssm_dir": f"ssms/ssm-{k}", "pool_before": 100 // k, "pool_after": 50 // k,
+        atomic_write_json(ssm_dir / "stats.json", {"train_loss": 1.0 + k, "acceptance_profile": profile})
+        mark_complete(ssm_dir, {"stage": k})
+        stages.append({"stage": k, "ssm_dir": run.relative(ssm_dir), "pool_before": 100 // k, "pool_after": 50 // k,
                        "match_rate": 0.5, "ensemble_match_rate": 0.5 + 0.1 * k, "train_loss": 1.0 + k})
     # A stage whose SSM never finished: export must leave it out.
-    (root / "ssms" / f"ssm-{n_ssms + 1}").mkdir(parents=True)
-    stages.append({"stage": n_ssms + 1, "ssm_dir": f"ssms/ssm-{n_ssms + 1}"})
+    run.ssm_dir(n_ssms + 1).mkdir(parents=True)
+    stages.append({"stage": n_ssms + 1, "ssm_dir": run.relative(run.ssm_dir(n_ssms + 1))})
     if scheduler:
-        rundir.atomic_write_json(root / "scheduler" / "policy.json", {"kind": "test", "weights": [1, 2, 3]})
-        (root / "scheduler" / "features").mkdir()
-        (root / "scheduler" / "features" / "names.txt").write_text("prompt_len\n")
-        (root / "scheduler" / ".policy.json.123.tmp").write_text("half-written temporary")
-    rundir.atomic_write_json(root / rundir.REPORT, {
-        "format": rundir.REPORT_FORMAT,
+        atomic_write_json(run.scheduler_dir / "policy.json", {"kind": "test", "weights": [1, 2, 3]})
+        (run.scheduler_dir / "features").mkdir()
+        (run.scheduler_dir / "features" / "names.txt").write_text("prompt_len\n")
+        (run.scheduler_dir / ".policy.json.123.tmp").write_text("half-written temporary")
+    atomic_write_json(run.report_path, {
+        "format": REPORT_FORMAT,
         "llm": {"ref": TINY_LLM, "path": llm.path, "dtype": "fp32"},
         "tree": TREE,
         "teacher": {},

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 from bundle_fixtures import TREE, make_run_dir, one_torch_thread  # noqa: F401 (autouse fixture)
 
-from boosttune import rundir
 from boosttune.cli import main
+from boosttune.core.files import atomic_write_json, sha256_file
+from boosttune.core.rundir import REPORT_FORMAT, RunDir
 from boosttune.export import export_bundle
 from boosttune.serving.bundle import (
     BUNDLE_FORMAT,
     MANIFEST,
     BundleError,
     load_bundle,
-    sha256_file,
     verify_bundle,
 )
 
@@ -190,8 +190,7 @@ def test_export_refuses_what_it_cannot_bundle(run_dir, bundle, tmp_path):
     with pytest.raises(ValueError, match="--force"):
         export_bundle(run_dir, bundle)
     empty = tmp_path / "empty-run"
-    rundir.atomic_write_json(empty / rundir.REPORT, {"format": rundir.REPORT_FORMAT, "llm": {"ref": "tiny-random"},
-                                                     "stages": []})
+    atomic_write_json(RunDir(empty).report_path, {"format": REPORT_FORMAT, "llm": {"ref": "tiny-random"}, "stages": []})
     with pytest.raises(ValueError, match="no complete SSM"):
         export_bundle(empty, tmp_path / "b1")
     pickled = tmp_path / "pickled-run"

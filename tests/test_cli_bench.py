@@ -9,7 +9,7 @@ from conftest import MT_BENCH, perturbed, tiny_llama
 from transformers import AutoTokenizer
 
 from boosttune.cli import main
-from boosttune.models import resolve_model_path
+from boosttune.core.models import resolve_model_path
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = {  # import name -> folder in the repository
     "boosttune": "boosttune",
+    "boosttune.core": "boosttune/core",
     "boosttune.serving": "serving",
     "boosttune.kernels": "kernels",
     "boosttune.scheduler": "scheduler",
@@ -57,7 +58,7 @@ def source_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copy2(readme, src)
     else:  # pyproject names a readme; it may not be written yet
         (src / "README.md").write_text("# boosttune\n")
-    for folder in PACKAGES.values():
+    for folder in sorted({f.split("/")[0] for f in PACKAGES.values()}):  # subpackages come with their parents
         shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     return src
 

@@ -18,8 +18,8 @@ from tokenizers import Tokenizer, pre_tokenizers  # noqa: E402
 from tokenizers.models import WordLevel  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
-from boosttune import models  # noqa: E402
-from boosttune.models import (  # noqa: E402
+from boosttune.core import models  # noqa: E402
+from boosttune.core.models import (  # noqa: E402
     build_cached_dir,
     check_same_vocabulary,
     load_model,

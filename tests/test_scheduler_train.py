@@ -9,8 +9,8 @@ from bundle_fixtures import write_ranking
 from conftest import MT_BENCH, perturbed
 
 from boosttune.cli import main
-from boosttune.models import load_model
-from boosttune.rundir import atomic_write_json, mark_complete
+from boosttune.core.files import atomic_write_json, mark_complete
+from boosttune.core.models import load_model
 from boosttune.scheduler.labels import RequestRecord
 from boosttune.scheduler.policy import Candidate, Scheduler
 
@@ -123,9 +123,9 @@ def test_server_uses_the_exported_scheduler_and_stays_lossless(run_dir, tmp_path
     """The scheduler trained above travels in the bundle; the server plans every request with it."""
     from openai import OpenAI
 
+    from boosttune.core.models import eos_token_ids
+    from boosttune.core.prompts import encode_prompt
     from boosttune.export import export_bundle
-    from boosttune.models import eos_token_ids
-    from boosttune.prompts import encode_prompt
     from boosttune.serving.bundle import load_bundle
     from boosttune.serving.decode import incremental_generate
     from boosttune.serving.server import ServerConfig, ServerThread, create_app

@@ -18,9 +18,9 @@ from bundle_fixtures import make_run_dir, one_torch_thread  # noqa: F401 (autous
 from openai import OpenAI
 
 from boosttune.cli import main
+from boosttune.core.models import eos_token_ids
+from boosttune.core.prompts import encode_prompt
 from boosttune.export import export_bundle
-from boosttune.models import eos_token_ids
-from boosttune.prompts import encode_prompt
 from boosttune.serving.bundle import load_bundle
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.engine import GenerationResult

@@ -9,8 +9,8 @@ import pytest
 from conftest import MT_BENCH
 from transformers import AutoModelForCausalLM
 
-from boosttune.models import load_model
-from boosttune.prompts import encode_prompt, read_prompts
+from boosttune.core.models import load_model
+from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.engine import SpeculativeEngine

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from boosttune.models import resolve_model_path
+from boosttune.core.models import resolve_model_path
 from boosttune.serving.server_text import TextStream
 from boosttune.serving.stops import StopCriteria
 

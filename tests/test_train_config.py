@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from boosttune.config import ConfigError, TrainConfig, dump_yaml, load_config
+from boosttune.core.rundir import RunDir
 from boosttune.pipeline import check_or_save_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,10 +115,10 @@ def test_missing_config_file_and_bad_yaml(tmp_path: Path) -> None:
 
 def test_resume_refuses_a_changed_config(tmp_path: Path) -> None:
     cfg = load_config(CONFIGS / "tiny.yaml")
-    check_or_save_config(cfg, tmp_path)
-    check_or_save_config(load_config(CONFIGS / "tiny.yaml", ["optim.logger=none", "eval.limit=1"]), tmp_path)
+    check_or_save_config(cfg, RunDir(tmp_path))
+    check_or_save_config(load_config(CONFIGS / "tiny.yaml", ["optim.logger=none", "eval.limit=1"]), RunDir(tmp_path))
     with pytest.raises(ConfigError, match="optim.max_steps: this run directory was started with optim.max_steps=12"):
-        check_or_save_config(load_config(CONFIGS / "tiny.yaml", ["optim.max_steps=13"]), tmp_path)
+        check_or_save_config(load_config(CONFIGS / "tiny.yaml", ["optim.max_steps=13"]), RunDir(tmp_path))
 
 
 def test_cli_reports_config_errors_before_any_work(tmp_path: Path) -> None:
@@ -144,7 +145,7 @@ def test_an_ssm_init_with_another_vocabulary_is_refused_at_start(tmp_path: Path)
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from boosttune.config import load_config
-    from boosttune.models import resolve_model_path
+    from boosttune.core.models import resolve_model_path
     from boosttune.pipeline import preflight
 
     other = tmp_path / "other-ssm"

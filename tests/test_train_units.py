@@ -11,9 +11,9 @@ from conftest import MT_BENCH, SHARED_DATA, perturbed, tiny_llama
 from transformers import AutoTokenizer
 
 from boosttune.config import MatchConfig, PromptsConfig, SourceConfig, SSMInitConfig
+from boosttune.core.models import resolve_model_path
 from boosttune.distill import Sample, collate, distill_losses, lr_lambda, plan_batches
 from boosttune.matching import is_match, teacher_forced_agreement
-from boosttune.models import resolve_model_path
 from boosttune.pipeline import acceptance_profile
 from boosttune.sources import collect_prompts, default_seeds, source_prompts
 from boosttune.ssm_init import derive_ssm
@@ -81,18 +81,19 @@ def test_jsonl_chat_prompts_and_dedup(tok) -> None:
 def test_jsonl_strings_may_hold_unicode_line_breaks(tmp_path) -> None:
     """U+2028, U+0085 and form feeds are line breaks to str.splitlines but not to JSON Lines
     (ShareGPT prompts contain them): both prompt readers keep such a record whole."""
+    from boosttune.core.prompts import read_prompts
+    from boosttune.core.rundir import RunDir
     from boosttune.pipeline import read_prompts_file
-    from boosttune.prompts import read_prompts
     from boosttune.sources import TrainPrompt
 
     texts = ["first\u2028second", "a\x85b\x0cc", "plain"]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"prompt": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
     assert [p.text for p in read_prompts(path)] == texts
-    run = tmp_path / "run"
-    (run / "prompts").mkdir(parents=True)
+    run = RunDir(tmp_path / "run")
+    run.prompts_dir.mkdir(parents=True)
     saved = [TrainPrompt(id=str(i), source="jsonl", category="", chat=True, input_ids=[1, 2], text=t) for i, t in enumerate(texts)]
-    (run / "prompts" / "prompts.jsonl").write_text("".join(p.to_json() + "\n" for p in saved), encoding="utf-8")
+    run.prompts_file.write_text("".join(p.to_json() + "\n" for p in saved), encoding="utf-8")
     assert read_prompts_file(run) == saved
 
 

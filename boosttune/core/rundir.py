@@ -1,0 +1,172 @@
+"""The run directory of `boosttune train`: where every artefact lives, and how to read it back.
+
+Layout (everything a run makes; resuming trusts only what is complete)::
+
+    RUN_DIR/
+      config.yaml                 the resolved training config (every default filled in)
+      prompts/                    prompt set: prompts.jsonl + complete.json (counts: all, train, held out)
+      teacher/                    LLM continuations: shard-KKKKK.arrow (prompts K*S .. (K+1)*S - 1),
+                                  stats-rankRRR.json (tokens and seconds of rank R)
+      draft_vocab.json            the LLM's tokens ranked by frequency in the teacher's training outputs
+                                  (serving/draft_vocab.py), for SSMs drafting over a cut vocabulary
+      ssm-init/                   the SSMs' common starting weights; complete.json written last
+      stages/stage-K/             work dir of boost-tuning stage K: checkpoints/last.ckpt, logs,
+                                  match.json (pool and match flags), summary.json, NAME-rankRRR.json scores
+      ssms/ssm-K/                 trained SSM K: HF save_pretrained (config.json, model.safetensors,
+                                  tokenizer files) + stats.json; complete.json written last
+      report.json                 run report: llm, tree, teacher, one entry per stage, evaluation
+      scheduler/                  the learned scheduler: scheduler.json; complete.json written last
+      scheduler_report.json/.png  every policy's τ and tokens/s on the evaluation requests
+      scheduler_labels.jsonl      the labelled requests the scheduler was fitted on
+
+``report.json`` (format 1)::
+
+    {"format": 1,
+     "llm": {"ref": str, "path": str, "dtype": str},
+     "tree": {TreeConfig fields},
+     "teacher": {...},
+     "stages": [{"stage": K, "ssm_dir": "ssms/ssm-K", "pool_before": int, "pool_after": int,
+                 "match_rate": float, "ensemble_match_rate": float, "train_loss": float, ...}],
+     "evaluation": {...}}
+
+:class:`RunDir` names every one of these paths; no other module joins them by hand.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from boosttune.core.files import MARKER, is_complete
+
+REPORT_FORMAT = 1
+DRAFT_VOCAB = "draft_vocab.json"
+"""The draft vocabulary ranking's file name, in a run directory and next to SSMs and in bundles."""
+
+
+class RunDir:
+    """A `boosttune train` run directory (the layout in the module docstring)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.root)!r})"
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+    def __fspath__(self) -> str:  # a RunDir is accepted wherever a run directory's path is
+        return str(self.root)
+
+    @classmethod
+    def of_ssm(cls, ssm_dir: str | Path) -> RunDir:
+        """The run an SSM directory ``RUN_DIR/ssms/ssm-K`` belongs to."""
+        return cls(Path(ssm_dir).parent.parent)
+
+    # -- the run as a whole -------------------------------------------------------------------
+    @property
+    def config_path(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def report_path(self) -> Path:
+        return self.root / "report.json"
+
+    @property
+    def draft_vocab_path(self) -> Path:
+        return self.root / DRAFT_VOCAB
+
+    def relative(self, path: Path) -> str:
+        """``path`` relative to the run, as report.json records it (POSIX separators)."""
+        return path.relative_to(self.root).as_posix()
+
+    # -- prompts and teacher ------------------------------------------------------------------
+    @property
+    def prompts_dir(self) -> Path:
+        return self.root / "prompts"
+
+    @property
+    def prompts_file(self) -> Path:
+        return self.prompts_dir / "prompts.jsonl"
+
+    def prompts_info(self) -> dict | None:
+        """The finished prompt set's counts (``count``, ``train``, ``held_out``, ...), None before."""
+        marker = self.prompts_dir / MARKER
+        return json.loads(marker.read_text()) if marker.is_file() else None
+
+    @property
+    def teacher_dir(self) -> Path:
+        return self.root / "teacher"
+
+    def teacher_shard(self, k: int) -> Path:
+        return self.teacher_dir / f"shard-{k:05d}.arrow"
+
+    def teacher_stats(self, rank: int) -> Path:
+        return self.teacher_dir / f"stats-rank{rank:03d}.json"
+
+    def teacher_stats_files(self) -> list[Path]:
+        return sorted(self.teacher_dir.glob("stats-rank*.json"))
+
+    # -- stages and SSMs ----------------------------------------------------------------------
+    @property
+    def ssm_init_dir(self) -> Path:
+        return self.root / "ssm-init"
+
+    def stage_dir(self, k: int) -> Path:
+        return self.root / "stages" / f"stage-{k}"
+
+    def stage_match(self, k: int) -> Path:
+        return self.stage_dir(k) / "match.json"
+
+    def stage_summary(self, k: int) -> Path:
+        return self.stage_dir(k) / "summary.json"
+
+    def stage_checkpoint(self, k: int) -> Path:
+        return self.stage_dir(k) / "checkpoints" / "last.ckpt"
+
+    def stage_scores(self, k: int, name: str, rank: int) -> Path:
+        return self.stage_dir(k) / f"{name}-rank{rank:03d}.json"
+
+    def stage_scores_files(self, k: int, name: str) -> list[Path]:
+        return sorted(self.stage_dir(k).glob(f"{name}-rank*.json"))
+
+    def ssm_dir(self, k: int) -> Path:
+        return self.root / "ssms" / f"ssm-{k}"
+
+    # -- the learned scheduler ----------------------------------------------------------------
+    @property
+    def scheduler_dir(self) -> Path:
+        return self.root / "scheduler"
+
+    @property
+    def scheduler_file(self) -> Path:
+        return self.scheduler_dir / "scheduler.json"
+
+    @property
+    def scheduler_report(self) -> Path:
+        return self.root / "scheduler_report.json"
+
+    @property
+    def scheduler_plot(self) -> Path:
+        return self.root / "scheduler_report.png"
+
+    @property
+    def scheduler_labels(self) -> Path:
+        return self.root / "scheduler_labels.jsonl"
+
+    # -- reading ------------------------------------------------------------------------------
+    def read_report(self) -> dict:
+        """The run's report.json, with a clear error when the directory is not a training run."""
+        path = self.report_path
+        if not path.is_file():
+            raise ValueError(f"{self.root}: no {path.name}; is this a `boosttune train` run directory?")
+        report = json.loads(path.read_text())
+        if report.get("format") != REPORT_FORMAT:
+            raise ValueError(f"{path}: report format {report.get('format')!r}, expected {REPORT_FORMAT}")
+        return report
+
+    def ssm_dirs(self) -> list[Path]:
+        """The trained SSMs of the run, in stage order (only complete ones)."""
+        dirs = [self.root / s["ssm_dir"] for s in self.read_report().get("stages", [])]
+        return [d for d in dirs if is_complete(d)]
