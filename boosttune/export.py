@@ -20,7 +20,6 @@ from pathlib import Path
 
 from boosttune.core.files import atomic_write_json, sha256_file
 from boosttune.core.rundir import RunDir
-from boosttune.draft_ranking import ensure_draft_ranking
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.bundle import (
     BUNDLE_FORMAT,
@@ -58,19 +57,6 @@ def _versions() -> dict[str, str]:
         "boosttune": boosttune.__version__, "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
     }
-
-
-def _llm_dir(report: dict, run: RunDir) -> Path:
-    """The LLM the run trained against: its recorded path when it exists here, else its ref resolved."""
-    from boosttune.core.models import resolve_model_path
-
-    llm = report.get("llm") or {}
-    ref, path = llm.get("ref"), llm.get("path")
-    if not isinstance(ref, str) or not ref:
-        raise ValueError(f"{run.report_path}: field 'llm.ref' is missing; is the run complete?")
-    if isinstance(path, str) and Path(path).is_dir():
-        return Path(path)
-    return Path(resolve_model_path(ref))
 
 
 def _tree(report: dict, run: RunDir) -> TreeConfig:
@@ -136,15 +122,6 @@ def _file_table(root: Path) -> dict[str, dict]:
     }
 
 
-def _draft_ranking(run: RunDir, llm_dir: Path) -> Path | None:
-    """The run's draft vocabulary ranking (built from its teacher outputs if missing), or None
-    for a run directory without teacher outputs."""
-    if not run.draft_vocab_path.is_file() and run.prompts_info() is None:
-        return None
-    vocab = int(json.loads((llm_dir / "config.json").read_text())["vocab_size"])
-    return ensure_draft_ranking(run, vocab)
-
-
 def export_bundle(
     run_dir: str | Path, out: str | Path, force: bool = False, draft_vocab: int | None = None,
     prompt_lookup: int = 0,
@@ -180,8 +157,8 @@ def export_bundle(
             tree = TreeConfig(**{**asdict(tree), "draft_vocab": int(draft_vocab)})
         except ValueError as e:
             raise ValueError(f"--draft-vocab: {e}") from None
-    llm_dir = _llm_dir(report, run)
-    ranking = _draft_ranking(run, llm_dir)
+    llm_dir = run.llm_dir()
+    ranking = run.draft_vocab_path if run.draft_vocab_path.is_file() else None
     if tree.draft_vocab and ranking is None:
         raise ValueError(f"--draft-vocab {tree.draft_vocab}: {run} has no teacher outputs to rank tokens by "
                          f"(no {run.draft_vocab_path.name}); export with --draft-vocab 0")

@@ -1,12 +1,8 @@
-"""Learned SSM scheduler (issue 4): request features, training from logged verifications, policy.
+"""The learned scheduler at serve time: which drafters and trees a request gets, before decoding.
 
-Modules, one job each: ``config`` (SchedulerConfig, the ``scheduler:`` section), ``features``
-(what is known before decoding), ``labels`` (full-information labels from the engine),
-``positions`` (per output position and drafter: what a step starting there would accept),
-``walk`` (replaying a policy step by step over them), ``costs`` (the measured cost model),
-``subsets`` (subset bitmasks and survival arithmetic), ``model`` (the linear acceptance model),
-``stepwise`` (prompt lookup's learned per-match chain lengths), ``policy`` (``Scheduler.load`` /
-``choose``), ``persist`` (the JSON file format, no pickle), ``evaluate`` (replay and real runs of
-every policy), ``plot`` and ``train`` (``train_scheduler``, what `boosttune train-scheduler RUN_DIR`
-runs).
+``features`` (what is known before decoding), ``model`` (the linear acceptance model),
+``subsets`` (subset bitmasks and survival arithmetic), ``costs`` (the measured cost model and the
+trees each depth means), ``policy`` (``Scheduler.load`` / ``choose``: the ``Plan`` a request gets),
+``persist`` (the JSON file format, no pickle). Training it is ``offline/`` (labels, replay,
+calibration, evaluation, reports), which serving never imports.
 """

@@ -13,9 +13,7 @@ times the prompt length). ``verify`` interpolates the measured medians piecewise
 LLM's cost is far from linear in tree size on a CPU) and extrapolates with the mean slope. The
 empty subset is plain decoding: ``step = verify(0) + overhead0`` per token.
 
-``calibrate`` measures it with the engine itself: every (SSM, depth) alone and plain decoding on a
-few prompts, interleaved so that drift on a shared machine spreads over all of them, plus the
-verification and overhead samples of the labelled runs (all SSMs merged: the large trees).
+``offline/calibrate.py`` measures it with the engine itself.
 """
 
 from __future__ import annotations
@@ -27,9 +25,7 @@ import numpy as np
 
 from boosttune.scheduler.subsets import members
 from boosttune.serving.builders import TreeConfig
-from boosttune.serving.engine import GenerationResult, SpeculativeEngine
-from boosttune.serving.lookup import PromptLookupDrafter, lookup_tree
-from boosttune.serving.stops import StopCriteria
+from boosttune.serving.lookup import lookup_tree
 
 
 @dataclass(frozen=True)
@@ -152,111 +148,3 @@ def tree_nodes(widths: Sequence[int], depth: int) -> int:
         level *= w
         total += level
     return total
-
-
-@dataclass
-class _Samples:
-    """Raw timings gathered by ``calibrate`` before medians are taken."""
-
-    draft: dict[tuple[int, int], list[float]]  # (ssm, depth) -> seconds of later-step drafts
-    nodes: dict[tuple[int, int], list[int]]  # (ssm, depth) -> tree sizes of its solo steps
-    prefill: dict[int, list[float]]  # ssm -> seconds per prompt token of the first catch-up
-    verify: dict[int, list[float]]  # nodes -> seconds
-    overhead: dict[int, list[float]]  # active SSMs -> seconds
-
-    def add_run(self, res: GenerationResult, prompt_tokens: int, depth: int | None) -> None:
-        """Fold one recorded run in; ``depth`` keys its draft times (None: merged run, skip them)."""
-        active = res.active or []
-        for i, rec in enumerate(res.records):
-            self.verify.setdefault(rec.nodes, []).append(rec.verify_s)
-            spent = rec.step_s - rec.verify_s - sum(rec.draft_s)
-            self.overhead.setdefault(len(active), []).append(max(spent, 0.0))
-            if depth is None:
-                continue
-            if len(active) == 1:
-                self.nodes.setdefault((active[0], depth), []).append(rec.nodes)
-            for j, s in zip(active, rec.draft_s, strict=True):
-                # the first step also catches up on the prompt: only a one-step run keeps it
-                if i > 0 or len(res.records) == 1:
-                    self.draft.setdefault((j, depth), []).append(s)
-        if depth is not None and len(res.records) > 1:
-            for pos, j in enumerate(active):
-                later = np.median([r.draft_s[pos] for r in res.records[1:]])
-                extra = res.records[0].draft_s[pos] - later
-                self.prefill.setdefault(j, []).append(max(extra, 0.0) / max(prompt_tokens, 1))
-
-
-def calibrate(
-    engine: SpeculativeEngine,
-    prompts: Sequence[list[int]],
-    widths: Sequence[int],
-    depths: Sequence[int],
-    tokens: int,
-    merged_runs: Sequence[tuple[GenerationResult, int]] = (),
-    draft_vocab: int = 0,
-) -> CostModel:
-    """Time every (SSM, depth) alone and plain decoding on ``prompts`` with the engine.
-
-    Args:
-        engine: the engine with every SSM (greedy decoding).
-        prompts: token ids of the calibration prompts.
-        widths: expansion widths; an SSM at depth k drafts ``widths[:k]``, prompt lookup a chain of k.
-        depths: candidate depths.
-        tokens: tokens generated per calibration run.
-        merged_runs: recorded (result, prompt tokens) of labelled runs (every SSM merged), whose
-            verification and overhead timings extend the curves to large trees.
-        draft_vocab: the SSM trees' draft vocabulary size (0: whole), as they will be served.
-    """
-    depths = sorted(depths)
-    n = len(engine.drafters)
-    lookup = next((j for j, d in enumerate(engine.drafters) if isinstance(d, PromptLookupDrafter)), -1)
-    samples = _Samples({}, {}, {}, {}, {})
-    stop = StopCriteria(max_new_tokens=tokens)
-    for ids in prompts:
-        res = engine.generate(ids, stop, active=[], record=True)
-        samples.add_run(res, len(ids), None)
-        for k in depths:
-            trees = depth_trees([k] * n, widths, draft_vocab, lookup)
-            for j in range(n):
-                res = engine.generate(ids, stop, active=[j], tree=trees, record=True)
-                samples.add_run(res, len(ids), k)
-    for res, prompt_tokens in merged_runs:
-        samples.add_run(res, prompt_tokens, None)
-    return _fit(samples, n, widths, depths)
-
-
-def _fit(samples: _Samples, n: int, widths: Sequence[int], depths: Sequence[int]) -> CostModel:
-    """Medians of the samples, made monotone where cost must grow (deeper, larger trees)."""
-    draft = []
-    for j in range(n):
-        missing = [k for k in depths if not samples.draft.get((j, k))]
-        if missing:
-            raise ValueError(f"calibration has no draft timing for SSM {j} at depths {missing}")
-        row = [float(np.median(samples.draft[(j, k)])) for k in depths]
-        draft.append(tuple(np.maximum.accumulate(row).tolist()))
-    nodes = sorted(samples.verify)
-    verify = np.maximum.accumulate([float(np.median(samples.verify[x])) for x in nodes]).tolist()
-    return CostModel(
-        depths=tuple(depths),
-        nodes_per_ssm=tuple(
-            tuple(float(np.mean(samples.nodes.get((j, k)) or [tree_nodes(widths, k)])) for k in depths)
-            for j in range(n)
-        ),
-        draft_s=tuple(draft),
-        ssm_prefill_s_per_token=tuple(float(np.median(samples.prefill.get(j, [0.0]))) for j in range(n)),
-        verify_nodes=tuple(nodes),
-        verify_s=tuple(verify),
-        overhead_s=_line(samples.overhead),
-    )
-
-
-def _line(points: dict[int, list[float]]) -> tuple[float, float]:
-    """Least-squares (base, per active SSM) through the per-count medians, both clipped at 0."""
-    xs = np.array(sorted(points), dtype=float)
-    ys = np.array([np.median(points[int(x)]) for x in xs])
-    if len(xs) < 2:
-        return (float(ys[0]) if len(ys) else 0.0, 0.0)
-    slope, base = np.polyfit(xs, ys, 1)
-    slope = max(float(slope), 0.0)
-    base = max(float(np.mean(ys - slope * xs)), 0.0)
-    return base, slope

@@ -265,8 +265,8 @@ def test_export_of_a_draft_vocabulary_needs_the_run_ranking(tmp_path):
 def test_bundle_default_prompt_lookup_serves_without_a_scheduler(tmp_path):
     """`export --prompt-lookup N` makes the server (no scheduler) draft with prompt lookup too."""
     from boosttune.serving.decode import incremental_generate
+    from boosttune.serving.http.server import ServerConfig, create_app
     from boosttune.serving.lookup import PromptLookupDrafter
-    from boosttune.serving.server import ServerConfig, create_app
     from boosttune.serving.stops import StopCriteria
 
     bare = make_run_dir(tmp_path / "run", n_ssms=1, scheduler=False)

@@ -21,9 +21,13 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = {  # import name -> folder in the repository
     "boosttune": "boosttune",
     "boosttune.core": "boosttune/core",
+    "boosttune.train": "boosttune/train",
+    "boosttune.cli": "boosttune/cli",
     "boosttune.serving": "serving",
+    "boosttune.serving.http": "serving/http",
     "boosttune.kernels": "kernels",
     "boosttune.scheduler": "scheduler",
+    "boosttune.scheduler.offline": "scheduler/offline",
     "boosttune.data": "data",
 }
 FOREIGN = ["kernels", "scheduler", "serving"]  # must not be importable as top-level modules

@@ -9,16 +9,15 @@ import pickle
 import numpy as np
 import pytest
 
-from boosttune.config import from_dict
-from boosttune.scheduler.config import SchedulerConfig
+from boosttune.config import SchedulerConfig, from_dict
 from boosttune.scheduler.costs import CostModel, tree_nodes
 from boosttune.scheduler.features import FeatureSpec, RequestFeatures, hashed_ngrams, lookup_hit_rate
-from boosttune.scheduler.labels import RequestRecord
 from boosttune.scheduler.model import fit_linear, make_pipeline
+from boosttune.scheduler.offline.labels import RequestRecord
+from boosttune.scheduler.offline.train import fit_scheduler
 from boosttune.scheduler.persist import SchedulerFileError, digest
 from boosttune.scheduler.policy import Candidate, Scheduler
 from boosttune.scheduler.subsets import monotone, union_survival
-from boosttune.scheduler.train import fit_scheduler
 from boosttune.serving.builders import TreeConfig
 
 SPEC = FeatureSpec(hidden_size=2, ngram_buckets=1, lookup=False)  # the layout before the lookup feature
@@ -309,8 +308,8 @@ def test_lookup_hit_rate_agrees_with_the_drafters_own_search():
 
 
 def test_paired_ratio_interval():
-    from boosttune.scheduler.evaluate import Outcome
-    from boosttune.scheduler.train import paired_ratio_ci
+    from boosttune.scheduler.offline.evaluate import Outcome
+    from boosttune.scheduler.offline.report import paired_ratio_ci
 
     def runs(rates):
         return [Outcome(Candidate(0, 0), new_tokens=10, tau=1.0, wall_s=10 / r, draft_s=0.0) for r in rates]

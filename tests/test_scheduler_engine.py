@@ -8,8 +8,8 @@ import torch
 from conftest import perturbed, tiny_llama
 
 from boosttune.scheduler.features import FeatureSpec
-from boosttune.scheduler.labels import label_request
-from boosttune.scheduler.walk import walk
+from boosttune.scheduler.offline.labels import label_request
+from boosttune.scheduler.offline.walk import walk
 from boosttune.serving.builders import TreeConfig, merge_trees
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.engine import SpeculativeEngine

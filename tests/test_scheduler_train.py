@@ -11,7 +11,7 @@ from conftest import MT_BENCH, perturbed
 from boosttune.cli import main
 from boosttune.core.files import atomic_write_json, mark_complete
 from boosttune.core.models import load_model
-from boosttune.scheduler.labels import RequestRecord
+from boosttune.scheduler.offline.labels import RequestRecord
 from boosttune.scheduler.policy import Candidate, Scheduler
 
 pytestmark = pytest.mark.skipif(not MT_BENCH.is_file(), reason="needs ../shared/data/mt_bench")
@@ -128,7 +128,7 @@ def test_server_uses_the_exported_scheduler_and_stays_lossless(run_dir, tmp_path
     from boosttune.export import export_bundle
     from boosttune.serving.bundle import load_bundle
     from boosttune.serving.decode import incremental_generate
-    from boosttune.serving.server import ServerConfig, ServerThread, create_app
+    from boosttune.serving.http.server import ServerConfig, ServerThread, create_app
     from boosttune.serving.stops import StopCriteria
 
     assert (run_dir / "scheduler" / "scheduler.json").is_file()  # written by the test above

@@ -24,10 +24,9 @@ from boosttune.export import export_bundle
 from boosttune.serving.bundle import load_bundle
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.engine import GenerationResult
-from boosttune.serving.sampling import SamplingParams
-from boosttune.serving.server import ServerConfig, ServerThread, create_app
-from boosttune.serving.server_text import TextStream
-from boosttune.serving.server_worker import (
+from boosttune.serving.http.server import ServerConfig, ServerThread, create_app
+from boosttune.serving.http.text import TextStream
+from boosttune.serving.http.worker import (
     CancelledEvent,
     DoneEvent,
     EngineWorker,
@@ -36,6 +35,7 @@ from boosttune.serving.server_worker import (
     QueueFullError,
     TokensEvent,
 )
+from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
 
 MODEL = "tiny-bundle"

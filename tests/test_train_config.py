@@ -11,7 +11,7 @@ import pytest
 
 from boosttune.config import ConfigError, TrainConfig, dump_yaml, load_config
 from boosttune.core.rundir import RunDir
-from boosttune.pipeline import check_or_save_config
+from boosttune.train.pipeline import check_or_save_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -146,7 +146,7 @@ def test_an_ssm_init_with_another_vocabulary_is_refused_at_start(tmp_path: Path)
 
     from boosttune.config import load_config
     from boosttune.core.models import resolve_model_path
-    from boosttune.pipeline import preflight
+    from boosttune.train.pipeline import preflight
 
     other = tmp_path / "other-ssm"
     tok = AutoTokenizer.from_pretrained(resolve_model_path("tiny-random"))

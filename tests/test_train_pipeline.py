@@ -1,7 +1,7 @@
 """`boosttune train` end to end on configs/tiny.yaml: report, resumption after kill -9, 2-process DDP.
 
 Runs go through the real command line in subprocesses (Lightning, torchrun and SIGKILL behave as
-they do for users). Crashes are injected at named points with BOOSTTUNE_KILL_AT (boosttune.faults):
+they do for users). Crashes are injected at named points with BOOSTTUNE_KILL_AT (boosttune.train.faults):
 the process SIGKILLs itself, exactly like an external kill -9 at that moment.
 """
 

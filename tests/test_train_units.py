@@ -12,11 +12,11 @@ from transformers import AutoTokenizer
 
 from boosttune.config import MatchConfig, PromptsConfig, SourceConfig, SSMInitConfig
 from boosttune.core.models import resolve_model_path
-from boosttune.distill import Sample, collate, distill_losses, lr_lambda, plan_batches
-from boosttune.matching import is_match, teacher_forced_agreement
-from boosttune.pipeline import acceptance_profile
-from boosttune.sources import collect_prompts, default_seeds, source_prompts
-from boosttune.ssm_init import derive_ssm
+from boosttune.train.distill import Sample, collate, distill_losses, lr_lambda, plan_batches
+from boosttune.train.matching import is_match, teacher_forced_agreement
+from boosttune.train.pipeline import acceptance_profile
+from boosttune.train.sources import collect_prompts, default_seeds, source_prompts
+from boosttune.train.ssm_init import derive_ssm
 
 OWT = SHARED_DATA / "openwebtext_sample" / "openwebtext_sample.txt"
 
@@ -83,8 +83,8 @@ def test_jsonl_strings_may_hold_unicode_line_breaks(tmp_path) -> None:
     (ShareGPT prompts contain them): both prompt readers keep such a record whole."""
     from boosttune.core.prompts import read_prompts
     from boosttune.core.rundir import RunDir
-    from boosttune.pipeline import read_prompts_file
-    from boosttune.sources import TrainPrompt
+    from boosttune.train.pipeline import read_prompts_file
+    from boosttune.train.sources import TrainPrompt
 
     texts = ["first\u2028second", "a\x85b\x0cc", "plain"]
     path = tmp_path / "p.jsonl"

@@ -9,13 +9,18 @@ import torch
 from conftest import tiny_llama
 
 from boosttune.scheduler.costs import CostModel
-from boosttune.scheduler.evaluate import mean_tokens_per_s
 from boosttune.scheduler.features import RequestFeatures
-from boosttune.scheduler.labels import RequestRecord
+from boosttune.scheduler.offline.evaluate import mean_tokens_per_s
+from boosttune.scheduler.offline.labels import RequestRecord
+from boosttune.scheduler.offline.positions import (
+    NOT_DRAFTABLE,
+    draft_ranks,
+    expansion_accepts,
+    lookup_positions,
+)
+from boosttune.scheduler.offline.stepwise import fit_ngram_depths
+from boosttune.scheduler.offline.walk import Labels, walk, walk_seconds
 from boosttune.scheduler.policy import Candidate
-from boosttune.scheduler.positions import NOT_DRAFTABLE, draft_ranks, expansion_accepts, lookup_positions
-from boosttune.scheduler.stepwise import fit_ngram_depths
-from boosttune.scheduler.walk import Labels, walk, walk_seconds
 from boosttune.serving.lookup import find_match
 
 

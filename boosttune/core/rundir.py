@@ -166,6 +166,19 @@ class RunDir:
             raise ValueError(f"{path}: report format {report.get('format')!r}, expected {REPORT_FORMAT}")
         return report
 
+    def llm_dir(self) -> Path:
+        """The LLM the run trained against: its recorded directory when it exists here, else its
+        reference (report.json's ``llm``) resolved."""
+        from boosttune.core.models import resolve_model_path
+
+        llm = self.read_report().get("llm") or {}
+        ref, path = llm.get("ref"), llm.get("path")
+        if not isinstance(ref, str) or not ref:
+            raise ValueError(f"{self.report_path}: field 'llm.ref' is missing; is the run complete?")
+        if isinstance(path, str) and Path(path).is_dir():
+            return Path(path)
+        return Path(resolve_model_path(ref))
+
     def ssm_dirs(self) -> list[Path]:
         """The trained SSMs of the run, in stage order (only complete ones)."""
         dirs = [self.root / s["ssm_dir"] for s in self.read_report().get("stages", [])]

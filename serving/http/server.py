@@ -6,12 +6,12 @@ Endpoints: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions`
 ``boosttune`` object with the speculative statistics (τ, steps, accept lengths, SSMs and their hits,
 queue and engine seconds); streams carry it in the chunk that holds the finish reason.
 
-One engine worker thread (``server_worker.py``) serves the requests in arrival order; the HTTP
+One engine worker thread (``worker.py``) serves the requests in arrival order; the HTTP
 layer accepts any number concurrently and queues them (``max_queue`` waiting, then 503). A client
 that disconnects cancels its request: a stream's generator is cancelled by Starlette, and a
 non-streamed request waits for its events and for the ASGI disconnect message at once (a client that
 leaves before its body is read is counted as cancelled too, and nothing is queued). The wire format and the validation
-of requests are in ``server_protocol.py``, the metrics in ``server_metrics.py``.
+of requests are in ``protocol.py``, the metrics in ``metrics.py``.
 """
 
 from __future__ import annotations
@@ -36,9 +36,8 @@ from starlette.requests import ClientDisconnect
 
 from boosttune.serving.bundle import LoadedBundle
 from boosttune.serving.engine import GenerationResult, SpeculativeEngine
-from boosttune.serving.lookup import LOOKUP_NAME
-from boosttune.serving.server_metrics import RequestMetricsMiddleware, ServerMetrics
-from boosttune.serving.server_protocol import (
+from boosttune.serving.http.metrics import RequestMetricsMiddleware, ServerMetrics
+from boosttune.serving.http.protocol import (
     APIError,
     GenerationRequest,
     ModelLimits,
@@ -50,8 +49,8 @@ from boosttune.serving.server_protocol import (
     usage,
     usage_chunk,
 )
-from boosttune.serving.server_text import TextStream
-from boosttune.serving.server_worker import (
+from boosttune.serving.http.text import TextStream
+from boosttune.serving.http.worker import (
     CancelledEvent,
     DoneEvent,
     EngineWorker,
@@ -61,6 +60,7 @@ from boosttune.serving.server_worker import (
     QueueFullError,
     TokensEvent,
 )
+from boosttune.serving.lookup import LOOKUP_NAME
 from boosttune.serving.stops import StopCriteria
 
 log = logging.getLogger(__name__)

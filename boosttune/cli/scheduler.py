@@ -79,9 +79,11 @@ def base_config(run_dir: str, config: str | None):
     """The scheduler: section of ``config`` (or RUN_DIR/config.yaml) as a SchedulerConfig."""
     import yaml
 
-    from boosttune.config import from_dict  # typed conversion with errors that name the field
+    from boosttune.config import (
+        SchedulerConfig,
+        from_dict,  # typed conversion with errors that name the field
+    )
     from boosttune.core.rundir import RunDir
-    from boosttune.scheduler.config import SchedulerConfig
 
     path = Path(config) if config else RunDir(run_dir).config_path
     if config and not path.is_file():
@@ -96,7 +98,9 @@ def base_config(run_dir: str, config: str | None):
 
 
 def cmd_train_scheduler(args: argparse.Namespace) -> int:
-    from boosttune.scheduler.train import train_scheduler
+    from boosttune.core.rundir import RunDir
+    from boosttune.scheduler.offline.train import train_scheduler
+    from boosttune.train.draft_ranking import ensure_draft_ranking
 
     cfg = base_config(args.run_dir, args.config).replace(
         prompts=args.prompts,
@@ -118,5 +122,7 @@ def cmd_train_scheduler(args: argparse.Namespace) -> int:
         calib_tokens=args.calib_tokens,
         real_policies=args.real_policies,
     )
+    if cfg.draft_vocab:  # runs from before the ranking existed: count it from their teacher outputs
+        ensure_draft_ranking(RunDir(args.run_dir))
     train_scheduler(args.run_dir, cfg)
     return 0

@@ -6,7 +6,7 @@ where it stopped. Multi-process runs (torchrun, SLURM, or ``optim.devices > 1`` 
 run this same function on every rank (:mod:`boosttune.dist`).
 
 Boost-tuning (SpecInfer, arXiv 2305.09781 §4.2): SSM 1 trains on every training sample; after
-each stage, the samples that SSM matches (:mod:`boosttune.matching`) leave the pool and the next
+each stage, the samples that SSM matches (:mod:`boosttune.train.matching`) leave the pool and the next
 SSM trains on the rest. ``boost.mode: independent`` trains every SSM on all samples instead (the
 ablation). Every SSM starts from the same initialisation (``ssm.*``) with its own seed.
 """
@@ -23,17 +23,17 @@ from pathlib import Path
 
 import torch
 
-from boosttune import dist
 from boosttune.config import ConfigError, TrainConfig, dump_yaml, load_config, to_dict
 from boosttune.core.files import atomic_write_json, atomic_write_text, is_complete, mark_complete
 from boosttune.core.models import eos_token_ids, load_model, model_vocab_size, parse_dtype, resolve_model_path
 from boosttune.core.rundir import REPORT_FORMAT, RunDir
-from boosttune.distill import samples_from_teacher
-from boosttune.draft_ranking import ensure_draft_ranking
-from boosttune.faults import crash_point
-from boosttune.matching import is_match, summarize_agreement, teacher_forced_agreement
-from boosttune.sources import TrainPrompt, collect_prompts, default_seeds
-from boosttune.teacher import load_teacher, run_teacher
+from boosttune.train import dist
+from boosttune.train.distill import samples_from_teacher
+from boosttune.train.draft_ranking import ensure_draft_ranking
+from boosttune.train.faults import crash_point
+from boosttune.train.matching import is_match, summarize_agreement, teacher_forced_agreement
+from boosttune.train.sources import TrainPrompt, collect_prompts, default_seeds
+from boosttune.train.teacher import load_teacher, run_teacher
 
 # Fields that may differ when a run is resumed (how it runs, not what it computes).
 _RESUMABLE_CHANGES = ("optim.devices", "optim.num_nodes", "optim.accelerator", "optim.strategy", "optim.logger",
@@ -154,7 +154,7 @@ def build_prompts(cfg: TrainConfig, run: RunDir, llm) -> dict:
     prompts = collect_prompts(cfg.prompts, llm.tokenizer)
     grown = 0
     if cfg.prompts.grow:
-        from boosttune.grow import grow_prompts
+        from boosttune.train.grow import grow_prompts
 
         llm.model.config._attn_implementation = cfg.teacher.attn_implementation
         new = grow_prompts(llm.model, llm.tokenizer, default_seeds(), cfg.prompts.grow, eos_token_ids(llm),
@@ -251,7 +251,7 @@ def acceptance_profile(rows: list[list[bool]], depths: int = PROFILE_DEPTHS) -> 
 
 def build_init(cfg: TrainConfig, run: RunDir, llm) -> Path:
     """Rank 0 saves the SSMs' common starting weights once (every stage starts from them)."""
-    from boosttune.ssm_init import init_ssm
+    from boosttune.train.ssm_init import init_ssm
 
     out = run.ssm_init_dir
     if dist.is_main() and not is_complete(out):
@@ -264,7 +264,7 @@ def run_stage(cfg: TrainConfig, run: RunDir, k: int, init_dir: Path, tokenizer, 
     """Train SSM ``k`` on its pool, score it, save it; returns the stage's summary."""
     from transformers import AutoModelForCausalLM
 
-    from boosttune.stage import precision, train_stage
+    from boosttune.train.stage import precision, train_stage
 
     out, summary_path = run.ssm_dir(k), run.stage_summary(k)
     if is_complete(out) and summary_path.exists():
@@ -395,13 +395,13 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
 
     evaluation = None
     if cfg.eval.enabled and dist.is_main():
-        from boosttune.evaluate import evaluate_run
+        from boosttune.train.evaluate import evaluate_run
 
         evaluation = evaluate_run(cfg, run, prompts[n_train:])
     report = write_report(cfg, run, teacher, prompts_info, stages, evaluation)
     dist.barrier()
     if cfg.scheduler.prompts and dist.is_main():
-        from boosttune.scheduler.train import train_scheduler
+        from boosttune.scheduler.offline.train import train_scheduler
 
         report["scheduler"] = train_scheduler(run, cfg.scheduler)
     _log(f"done in {time.perf_counter() - t_start:.0f} s; report: {run.report_path}")

@@ -1,4 +1,4 @@
-"""`boosttune train`: the boost-tuning pipeline from a YAML config (see boosttune.pipeline)."""
+"""`boosttune train`: the boost-tuning pipeline from a YAML config (see boosttune.train.pipeline)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ def add_commands(sub) -> dict:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from boosttune import dist
     from boosttune.config import load_config
-    from boosttune.pipeline import preflight, train
+    from boosttune.train import dist
+    from boosttune.train.pipeline import preflight, train
 
     cfg = load_config(args.config, args.overrides)
     preflight(cfg)

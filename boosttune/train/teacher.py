@@ -25,8 +25,8 @@ from tqdm import tqdm
 
 from boosttune.config import TeacherConfig
 from boosttune.core.rundir import RunDir
-from boosttune.faults import crash_point
-from boosttune.sources import TrainPrompt
+from boosttune.train.faults import crash_point
+from boosttune.train.sources import TrainPrompt
 
 
 @dataclass

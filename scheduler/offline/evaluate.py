@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from boosttune.scheduler.costs import CostModel
-from boosttune.scheduler.labels import RequestRecord
+from boosttune.scheduler.offline.labels import RequestRecord
+from boosttune.scheduler.offline.walk import walk, walk_seconds
 from boosttune.scheduler.policy import Candidate, Choice, Scheduler, candidates
 from boosttune.scheduler.subsets import all_masks, members
-from boosttune.scheduler.walk import walk, walk_seconds
 from boosttune.serving.engine import GenerationResult, SpeculativeEngine
 from boosttune.serving.stops import StopCriteria
 

@@ -151,7 +151,7 @@ class EngineWorker:
         return self._thread.is_alive()
 
     def _run(self) -> None:
-        # Subnormal floats made badly scaled models ~60x slower on CPU (see boosttune/cli.py, which
+        # Subnormal floats made badly scaled models ~60x slower on CPU (see boosttune/cli/__init__.py, which
         # sets this for the main thread); the setting is per thread, so the engine's thread sets its own.
         torch.set_flush_denormal(True)
         if self.threads:

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from boosttune.scheduler.features import FeatureSpec, RequestFeatures, request_features
-from boosttune.scheduler.positions import draft_ranks, expansion_accepts, lookup_positions
-from boosttune.scheduler.walk import Labels
+from boosttune.scheduler.offline.positions import draft_ranks, expansion_accepts, lookup_positions
+from boosttune.scheduler.offline.walk import Labels
 from boosttune.serving.drafter import SSMDrafter
 from boosttune.serving.engine import GenerationResult, SpeculativeEngine
 from boosttune.serving.lookup import PromptLookupDrafter

@@ -17,10 +17,10 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from boosttune import dist
 from boosttune.config import TrainConfig
-from boosttune.distill import BatchDataset, DistillModule, Sample
-from boosttune.faults import crash_point
+from boosttune.train import dist
+from boosttune.train.distill import BatchDataset, DistillModule, Sample
+from boosttune.train.faults import crash_point
 
 
 class AtomicCheckpoint(L.Callback):

@@ -18,7 +18,7 @@ from boosttune.core.rundir import RunDir
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.engine import SpeculativeEngine
 from boosttune.serving.stops import StopCriteria
-from boosttune.sources import TrainPrompt
+from boosttune.train.sources import TrainPrompt
 
 
 def eval_prompt_ids(cfg: TrainConfig, tokenizer, held_out: list[TrainPrompt]) -> list[list[int]]:

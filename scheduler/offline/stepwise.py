@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from boosttune.scheduler.costs import CostModel
-from boosttune.scheduler.evaluate import mean_tokens_per_s
-from boosttune.scheduler.labels import RequestRecord
+from boosttune.scheduler.offline.evaluate import mean_tokens_per_s
+from boosttune.scheduler.offline.labels import RequestRecord
 from boosttune.scheduler.policy import Candidate
 from boosttune.scheduler.subsets import members
 

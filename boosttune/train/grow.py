@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from boosttune.core.prompts import Prompt, encode_prompt
-from boosttune.teacher import generate_batch
+from boosttune.train.teacher import generate_batch
 
 _ASK = ("Here is an example of a {category} request someone might give an AI assistant:\n\n{seed}\n\n"
         "Write one new, different {category} request. Reply with the request only.")

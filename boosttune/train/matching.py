@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from boosttune.config import MatchConfig
-from boosttune.distill import Sample, collate, plan_batches
+from boosttune.train.distill import Sample, collate, plan_batches
 
 
 def agreement_rows(hits: torch.Tensor, lengths: Sequence[int]) -> list[list[bool]]:
