@@ -19,6 +19,9 @@ from typing import Any, Literal
 import yaml
 
 from boosttune.core.rundir import RunDir
+from boosttune.serving.builders import (
+    TreeConfig,  # the `tree:` section: one tree shape for training, export, serving
+)
 
 
 class ConfigError(ValueError):
@@ -174,8 +177,6 @@ class EvalConfig:
     """Chat prompts for τ (JSONL/text); empty = the held-out prompts of this run."""
     limit: int = 8
     max_new_tokens: int = 64
-    widths: list[int] = field(default_factory=lambda: [1, 1, 1])
-    """Expansion tree per SSM (merged across SSMs for the ensemble)."""
 
 
 POLICY_NAMES = ("learned", "all", "best_fixed", "none")
@@ -201,7 +202,7 @@ class SchedulerConfig:
             SSM drafts (1 = one token per SSM; all of ``widths`` beyond its length), and how many
             tokens prompt lookup may propose. Labels are collected at ``max(depths)``.
         widths: expansion widths per depth (None: the run's tree if it is an expansion tree,
-            else SpecInfer's 1,1,3,1,1,1,1,1); SSMs never draft deeper than its length.
+            else the ``tree:`` section's default); SSMs never draft deeper than its length.
         dtype: LLM dtype (None: the run's, from report.json).
         ssm_dtype: SSM dtype (None: ``dtype``).
         draft_vocab: SSMs draft over the run's K most frequent tokens (``TreeConfig.draft_vocab``;
@@ -320,6 +321,9 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     boost: BoostConfig = field(default_factory=BoostConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    """Each SSM's tree: the τ evaluation drafts it (merged across SSMs for the ensemble), export writes it
+    into the bundle as the served default, and the scheduler takes its expansion widths."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     """Trained as the last stage when ``scheduler.prompts`` is set (see `boosttune train-scheduler`)."""
 
@@ -436,9 +440,21 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
     for item in overrides:
         apply_override(data, item)
+    _read_legacy_fields(data)
     cfg = from_dict(TrainConfig, data)
     validate(cfg)
     return cfg
+
+
+def _read_legacy_fields(data: dict) -> None:
+    """Fields of configs written before they moved (run directories keep their config.yaml):
+    ``eval.widths`` is ``tree.widths`` (an expansion tree), from before the ``tree:`` section."""
+    section = data.get("eval")
+    if isinstance(section, dict) and "widths" in section:
+        tree = data.setdefault("tree", {})
+        if not isinstance(tree, dict) or "widths" in tree:
+            raise ConfigError("eval.widths: the tree moved to the tree: section; set tree.widths only")
+        tree["widths"] = section.pop("widths")
 
 
 def _check(ok: bool, where: str, msg: str) -> None:
@@ -502,8 +518,6 @@ def validate(cfg: TrainConfig) -> None:
                f"{cfg.teacher.reuse_from} is not a run directory with a finished prompt set")
     if cfg.eval.prompts:
         _check(Path(cfg.eval.prompts).is_file(), "eval.prompts", f"file not found: {cfg.eval.prompts}")
-    _check(all(w >= 1 for w in cfg.eval.widths) and bool(cfg.eval.widths), "eval.widths",
-           "needs positive widths, e.g. [1, 1, 1]")
 
 
 def check_deepspeed_json(cfg: TrainConfig) -> None:

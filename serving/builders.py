@@ -60,20 +60,20 @@ class TreeConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in TREE_POLICIES:
-            raise ValueError(f"tree kind must be one of {sorted(TREE_POLICIES)}, got {self.kind!r}")
+            raise ValueError(f"tree.kind must be one of {sorted(TREE_POLICIES)}, got {self.kind!r}")
         object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
         if self.kind == "expansion" and (not self.widths or min(self.widths) < 1):
-            raise ValueError(f"tree widths must be a non-empty list of positive ints, got {self.widths}")
+            raise ValueError(f"tree.widths must be a non-empty list of positive ints, got {self.widths}")
         if not 0.0 <= self.min_prob < 1.0:
-            raise ValueError(f"tree min_prob must be in [0, 1), got {self.min_prob}")
+            raise ValueError(f"tree.min_prob must be in [0, 1), got {self.min_prob}")
         if self.draft_vocab < 0:
-            raise ValueError(f"tree draft_vocab must be >= 0 (0 = the whole vocabulary), got {self.draft_vocab}")
+            raise ValueError(f"tree.draft_vocab must be >= 0 (0 = the whole vocabulary), got {self.draft_vocab}")
         object.__setattr__(self, "ngram_depths", tuple(int(k) for k in self.ngram_depths))
         if any(k < 0 for k in self.ngram_depths):
-            raise ValueError(f"tree ngram_depths must be >= 0 (0: draft nothing), got {self.ngram_depths}")
+            raise ValueError(f"tree.ngram_depths must be >= 0 (0: draft nothing), got {self.ngram_depths}")
         for name in ("topk", "depth", "budget"):
             if getattr(self, name) < 1:
-                raise ValueError(f"tree {name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"tree.{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def max_depth(self) -> int:

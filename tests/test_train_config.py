@@ -11,6 +11,7 @@ import pytest
 
 from boosttune.config import ConfigError, TrainConfig, dump_yaml, load_config
 from boosttune.core.rundir import RunDir
+from boosttune.serving.builders import TreeConfig
 from boosttune.train.pipeline import check_or_save_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,10 +99,21 @@ def test_mistakes_name_the_field(overrides: list[str], message: str) -> None:
 
 
 def test_overrides_apply_with_yaml_values() -> None:
-    cfg = load_config(CONFIGS / "tiny.yaml", ["optim.lr=3e-4", "boost.num_ssms=5", "eval.widths=[1, 3]",
+    cfg = load_config(CONFIGS / "tiny.yaml", ["optim.lr=3e-4", "boost.num_ssms=5", "tree.widths=[1, 3]",
                                               "prompts.sources=[{kind: default, limit: 7}]"])
-    assert cfg.optim.lr == 3e-4 and cfg.boost.num_ssms == 5 and cfg.eval.widths == [1, 3]
+    assert cfg.optim.lr == 3e-4 and cfg.boost.num_ssms == 5 and cfg.tree.widths == (1, 3)
     assert cfg.prompts.sources[0].limit == 7
+
+
+def test_configs_from_before_the_tree_section_still_load(tmp_path: Path) -> None:
+    """Run directories keep the config.yaml they were started with: its eval.widths is the tree's."""
+    old = tmp_path / "config.yaml"
+    old.write_text("eval:\n  limit: 2\n  widths: [1, 2, 1]\n")
+    assert load_config(old).tree == TreeConfig(widths=(1, 2, 1))
+    with pytest.raises(ConfigError, match="tree.widths only"):
+        load_config(CONFIGS / "tiny.yaml", ["eval.widths=[1, 3]"])
+    with pytest.raises(ConfigError, match="tree.widths must be"):
+        load_config(CONFIGS / "tiny.yaml", ["tree.widths=[1, 0]"])
 
 
 def test_missing_config_file_and_bad_yaml(tmp_path: Path) -> None:

@@ -24,7 +24,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssm-dtype", default=None, help="dtype of the SSMs (default: --dtype); the output depends only on the LLM's")
     p.add_argument("--tree", default="expansion", choices=["expansion", "dynamic"], help="tree policy")
     p.add_argument("--widths", type=int_list, default=TreeConfig().widths,
-                   help="expansion: children per node at each depth (default 1,1,3,1,1,1,1,1, SpecInfer's)")
+                   help=f"expansion: children per node at each depth (default {','.join(map(str, TreeConfig().widths))}, "
+                        "SpecInfer's)")
     p.add_argument("--topk", type=int, default=TreeConfig().topk, help="dynamic: frontier and children per depth")
     p.add_argument("--depth", type=int, default=TreeConfig().depth, help="dynamic: draft depth")
     p.add_argument("--budget", type=int, default=TreeConfig().budget, help="dynamic: nodes kept (greedy)")

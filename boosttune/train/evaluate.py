@@ -1,13 +1,15 @@
 """τ of a training run's SSMs with the serving engine: each SSM alone and the merged ensemble.
 
 Greedy decoding of held-out prompts (``eval.prompts``, else the run's held-out prompts) with the
-LLM in ``llm.eval_dtype``; every SSM drafts the ``eval.widths`` expansion tree and the ensemble
-merges all SSMs' trees (shared prefixes deduplicated). τ counts the bonus token (DESIGN.md).
+LLM in ``llm.eval_dtype``; every SSM drafts the ``tree:`` section's tree (the one a bundle of the run
+serves by default) and the ensemble merges all SSMs' trees (shared prefixes deduplicated). τ counts
+the bonus token (DESIGN.md).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 from tqdm import tqdm
 
@@ -15,7 +17,7 @@ from boosttune.config import TrainConfig
 from boosttune.core.models import eos_token_ids, load_llm_and_ssms, parse_dtype
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.core.rundir import RunDir
-from boosttune.serving.builders import TreeConfig
+from boosttune.serving.draft_vocab import load_ranking
 from boosttune.serving.engine import SpeculativeEngine
 from boosttune.serving.stops import StopCriteria
 from boosttune.train.sources import TrainPrompt
@@ -49,15 +51,16 @@ def evaluate_run(cfg: TrainConfig, run: RunDir, held_out: list[TrainPrompt]) -> 
     llm, ssms = load_llm_and_ssms(cfg.llm.ref, [str(d) for d in dirs], dtype, dtype)
     prompts = eval_prompt_ids(cfg, llm.tokenizer, held_out)
     stop = StopCriteria(max_new_tokens=cfg.eval.max_new_tokens, eos_token_ids=eos_token_ids(llm))
-    tree = TreeConfig(kind="expansion", widths=tuple(cfg.eval.widths))
+    tree = cfg.tree
+    ranking = load_ranking(run.draft_vocab_path) if tree.draft_vocab else None
     t0 = time.perf_counter()
     out: dict = {"prompts": len(prompts), "max_new_tokens": cfg.eval.max_new_tokens, "dtype": cfg.llm.eval_dtype,
-                 "widths": list(cfg.eval.widths), "singles": []}
+                 "widths": list(tree.widths), "tree": asdict(tree), "singles": []}
     runs = [(f"ssm-{k + 1}", [s.model]) for k, s in enumerate(ssms)]
     if len(ssms) > 1:
         runs.append(("ensemble", [s.model for s in ssms]))
     for name, models in tqdm(runs, desc="evaluate τ", unit="config", disable=None):
-        r = tau_of(SpeculativeEngine.from_models(llm.model, models, tree), prompts, stop)
+        r = tau_of(SpeculativeEngine.from_models(llm.model, models, tree, ranking=ranking), prompts, stop)
         if name == "ensemble":
             out["ensemble"] = r
         else:

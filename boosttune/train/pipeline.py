@@ -37,7 +37,7 @@ from boosttune.train.teacher import load_teacher, run_teacher
 
 # Fields that may differ when a run is resumed (how it runs, not what it computes).
 _RESUMABLE_CHANGES = ("optim.devices", "optim.num_nodes", "optim.accelerator", "optim.strategy", "optim.logger",
-                      "optim.checkpoint_every", "optim.max_minutes", "llm.device", "eval.", "scheduler.")
+                      "optim.checkpoint_every", "optim.max_minutes", "llm.device", "eval.", "tree.", "scheduler.")
 PROFILE_DEPTHS = 8
 
 
@@ -331,12 +331,10 @@ def _publish_model(model, tokenizer, out: Path, marker: dict, stats: dict | None
 # ------------------------------------------------------------------------------------------ report
 def write_report(cfg: TrainConfig, run: RunDir, teacher: dict, prompts_info: dict, stages: list[dict],
                  evaluation: dict | None) -> dict:
-    from boosttune.serving.builders import TreeConfig
-
     report = {
         "format": REPORT_FORMAT,
         "llm": {"ref": cfg.llm.ref, "path": resolve_model_path(cfg.llm.ref), "dtype": cfg.llm.eval_dtype},
-        "tree": asdict(TreeConfig(kind="expansion", widths=tuple(cfg.eval.widths))),
+        "tree": asdict(cfg.tree),
         "world_size": dist.world_size(),
         "prompts": prompts_info,
         "teacher": teacher,

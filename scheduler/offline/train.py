@@ -52,16 +52,14 @@ from boosttune.serving.engine import SpeculativeEngine
 from boosttune.serving.lookup import LOOKUP_NAME
 from boosttune.serving.stops import StopCriteria
 
-SPECINFER_WIDTHS = (1, 1, 3, 1, 1, 1, 1, 1)
-
 
 def resolve_widths(cfg: SchedulerConfig, tree: dict | None) -> tuple[int, ...]:
-    """The expansion widths: the config's, else the run's expansion tree's, else SpecInfer's."""
+    """The expansion widths: the config's, else the run's expansion tree's, else the default tree's."""
     if cfg.widths is not None:
         return cfg.widths
     if tree and tree.get("kind", "expansion") == "expansion" and tree.get("widths"):
         return tuple(int(w) for w in tree["widths"])
-    return SPECINFER_WIDTHS
+    return TreeConfig().widths
 
 
 def split_prompts(cfg: SchedulerConfig) -> tuple[list, list]:
