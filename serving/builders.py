@@ -3,7 +3,8 @@
 Shape legend: F frontier nodes (nodes being expanded at one depth), W children per node,
 V vocabulary, N tree nodes.
 
-Policies (chosen by ``TreeConfig.kind`` through ``TREE_POLICIES``):
+Policies (``TREE_POLICIES``, a registry keyed by ``TreeConfig.kind``; a drafter asks its tree's
+policy how wide each depth is, which frontier nodes to expand and what to keep at the end):
 - ``expansion``: SpecInfer's expansion-based tree, a width per depth (the paper's ⟨1,1,3,1,1,1,1,1⟩,
   arXiv 2305.09781 §3): every node of depth d-1 gets ``widths[d-1]`` children.
 - ``dynamic``: EAGLE-2's context-aware tree (arXiv 2406.16858): at each depth expand only the
@@ -19,6 +20,7 @@ Children are the top-W tokens of q for greedy decoding, and W draws *without rep
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -76,8 +78,13 @@ class TreeConfig:
                 raise ValueError(f"tree.{name} must be >= 1, got {getattr(self, name)}")
 
     @property
+    def policy(self) -> TreePolicy:
+        """How this tree grows (``TREE_POLICIES[kind]``)."""
+        return TREE_POLICIES[self.kind]
+
+    @property
     def max_depth(self) -> int:
-        return len(self.widths) if self.kind == "expansion" else self.depth
+        return self.policy.depth(self)
 
 
 def choose_children(q: Tensor, width: int, greedy: bool, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
@@ -184,4 +191,60 @@ def merge_trees(trees: list[TokenTree], dedupe: bool) -> tuple[TokenTree, list[T
     return merged, maps
 
 
-TREE_POLICIES = ("expansion", "dynamic")
+
+class TreePolicy(Protocol):
+    """How a drafter's tree grows, depth by depth: what differs between tree kinds, and nothing else."""
+
+    def depth(self, cfg: TreeConfig) -> int:
+        """Draft depths (forwards of a model drafter)."""
+        ...
+
+    def width(self, cfg: TreeConfig, d: int) -> int:
+        """Children per expanded node at depth ``d`` (0-based)."""
+        ...
+
+    def frontier(self, cfg: TreeConfig, d: int, cum_logq: Tensor) -> Tensor | None:
+        """Indices of the (F,) frontier nodes to expand at depth ``d``, given their cumulative log q;
+        None: all of them."""
+        ...
+
+    def keep(self, cfg: TreeConfig, cum_logq: Tensor, depth: Tensor, greedy: bool) -> Tensor | None:
+        """(N,) bool: the drafted nodes to keep, closed under ancestors; None: all of them."""
+        ...
+
+
+class ExpansionTree:
+    """SpecInfer's expansion tree: every node of depth d - 1 gets ``widths[d - 1]`` children."""
+
+    def depth(self, cfg: TreeConfig) -> int:
+        return len(cfg.widths)
+
+    def width(self, cfg: TreeConfig, d: int) -> int:
+        return cfg.widths[d]
+
+    def frontier(self, cfg: TreeConfig, d: int, cum_logq: Tensor) -> Tensor | None:
+        return None
+
+    def keep(self, cfg: TreeConfig, cum_logq: Tensor, depth: Tensor, greedy: bool) -> Tensor | None:
+        return None
+
+
+class DynamicTree:
+    """EAGLE-2's tree: expand the ``topk`` likeliest frontier nodes per depth, then keep ``budget`` nodes."""
+
+    def depth(self, cfg: TreeConfig) -> int:
+        return cfg.depth
+
+    def width(self, cfg: TreeConfig, d: int) -> int:
+        return cfg.topk
+
+    def frontier(self, cfg: TreeConfig, d: int, cum_logq: Tensor) -> Tensor | None:
+        return select_frontier(cum_logq, cfg.topk) if d > 0 else None
+
+    def keep(self, cfg: TreeConfig, cum_logq: Tensor, depth: Tensor, greedy: bool) -> Tensor | None:
+        # pruning siblings by their sampled values would bias stochastic verification: greedy only
+        return rerank_keep(cum_logq, depth, cfg.budget) if greedy else None
+
+
+TREE_POLICIES: dict[str, TreePolicy] = {"expansion": ExpansionTree(), "dynamic": DynamicTree()}
+"""The tree policies by ``TreeConfig.kind``."""

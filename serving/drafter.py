@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from boosttune.serving.builders import TreeConfig, choose_children, rerank_keep, select_frontier, subtree
+from boosttune.serving.builders import TreeConfig, choose_children, subtree
 from boosttune.serving.draft_vocab import head_ids
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams, logits_to_probs
@@ -110,6 +110,7 @@ class SSMDrafter:
     @torch.inference_mode()
     def draft(self, committed: Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> TokenTree:
         cfg = self.tree_config
+        policy = cfg.policy
         greedy = sampling.greedy
         t = committed.shape[0]
         self._committed_len = t
@@ -124,15 +125,11 @@ class SSMDrafter:
         q_frontier = q_root  # (F, V)
         cum_frontier = torch.zeros(1)
         for d in range(cfg.max_depth):
-            if cfg.kind == "dynamic":
-                width = cfg.topk
-                if d > 0:
-                    sel = select_frontier(cum_frontier, cfg.topk)
-                    frontier, cum_frontier = frontier[sel], cum_frontier[sel]
-                    q_frontier = q_frontier[sel.to(q_frontier.device)]
-            else:
-                width = cfg.widths[d]
-            child_tok, valid = choose_children(q_frontier, width, greedy, generator)  # (F, W)
+            sel = policy.frontier(cfg, d, cum_frontier)
+            if sel is not None:
+                frontier, cum_frontier = frontier[sel], cum_frontier[sel]
+                q_frontier = q_frontier[sel.to(q_frontier.device)]
+            child_tok, valid = choose_children(q_frontier, policy.width(cfg, d), greedy, generator)  # (F, W)
             child_q = q_frontier.gather(1, child_tok)  # (F, W)
             # the tree's bookkeeping lives on the host (its lists sync anyway): bring the small
             # (F, W) choices over once per depth; no copy when the SSM runs on the CPU
@@ -181,8 +178,9 @@ class SSMDrafter:
         )
         slots = torch.full((n,), -1, **long)
         slots[torch.tensor(fed, **long)] = torch.arange(len(fed))
-        if cfg.kind == "dynamic" and greedy:
-            tree, old = subtree(tree, rerank_keep(torch.tensor(cum), tree.depth, cfg.budget))
+        keep = policy.keep(cfg, torch.tensor(cum), tree.depth, greedy)
+        if keep is not None:
+            tree, old = subtree(tree, keep)
             slots = slots[old]
         self._slots = slots
         return tree

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from boosttune.serving.builders import TreeConfig
+from boosttune.serving.builders import TREE_POLICIES, TreeConfig
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -22,7 +22,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="an SSM (path or hub id); repeat for several; 'default' uses the LLM itself as SSM")
     p.add_argument("--dtype", default="fp32", help="fp32 or bf16 for the LLM, and the SSMs unless --ssm-dtype (default fp32)")
     p.add_argument("--ssm-dtype", default=None, help="dtype of the SSMs (default: --dtype); the output depends only on the LLM's")
-    p.add_argument("--tree", default="expansion", choices=["expansion", "dynamic"], help="tree policy")
+    p.add_argument("--tree", default="expansion", choices=sorted(TREE_POLICIES), help="tree policy")
     p.add_argument("--widths", type=int_list, default=TreeConfig().widths,
                    help=f"expansion: children per node at each depth (default {','.join(map(str, TreeConfig().widths))}, "
                         "SpecInfer's)")
