@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from boosttune.assemble import engine_from_models
 from boosttune.core.models import LoadedModel, eos_token_ids, load_llm_and_ssms, parse_dtype
 from boosttune.core.prompts import Prompt, encode_prompt, read_prompts
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.draft_vocab import find_ranking, ranking_for
-from boosttune.serving.engine import GenerationResult, SpeculativeEngine
+from boosttune.serving.engine import GenerationResult
 from boosttune.serving.stops import StopCriteria
 
 METHODS = ("baseline", "hf_assisted", "hf_lookup", "ours")
@@ -133,7 +134,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     tok = llm.tokenizer
     eos = eos_token_ids(llm)
     stop = StopCriteria(max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos)
-    engine = SpeculativeEngine.from_models(
+    engine = engine_from_models(
         llm.model, [s.model for s in ssms], cfg.tree, ranking=ranking, lookup=cfg.prompt_lookup
     )
 

@@ -2,10 +2,12 @@
 
 Shape legend: N drafters, M = 2**N - 1 subsets, D label depth, K candidate depths, F features.
 
-The drafters are the run's SSMs and, when ``prompt_lookup``, a prompt-lookup drafter after them
-(``serving/lookup.py``); at depth k each SSM drafts ``widths[:k]`` (all of ``widths`` when k is
-larger: SSM depth saturates, while prompt lookup's nearly free chains are worth drafting deeper)
-and prompt lookup a chain of up to k tokens. "SSM" below means any of them.
+The drafters are named (``Scheduler.drafters``: the run's SSMs and, when ``prompt_lookup``, the
+prompt-lookup drafter ``LOOKUP_NAME``); bit j of a subset's mask is ``drafters[j]``, and a choice
+reaches the engine as a ``Plan`` naming its drafters and their trees. At depth k each SSM drafts
+``widths[:k]`` (all of ``widths`` when k is larger: SSM depth saturates, while prompt lookup's nearly
+free chains are worth drafting deeper) and prompt lookup a chain of up to k tokens. "SSM" below
+means any of them.
 
 Candidates are every (subset, depth) plus the empty subset (plain decoding: τ = 1). For a request
 the acceptance model predicts each subset's survival curve u[m, d]; the predicted τ of (m, k) is
@@ -40,7 +42,8 @@ from boosttune.scheduler.model import LinearModel
 from boosttune.scheduler.persist import SchedulerFileError, read_scheduler_file, write_scheduler_file
 from boosttune.scheduler.subsets import all_masks, mask_of, members, monotone
 from boosttune.serving.builders import TreeConfig
-from boosttune.serving.engine import PlanHook, RequestPlan
+from boosttune.serving.engine import Plan, Planner
+from boosttune.serving.lookup import LOOKUP_NAME
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,7 @@ class Choice:
         ssm_indices: SSMs to draft with (empty: plain decoding).
         depth: levels of the expansion widths each SSM drafts (0 for plain decoding).
         trees: each chosen drafter's tree by drafter index (None for plain decoding).
+        plan: the same by drafter name: what the engine is handed.
         predicted_tau: predicted tokens committed per LLM forward (bonus included).
         predicted_tokens_per_s: predicted decoding speed (LLM prefill excluded).
         fallback: True when the safe fallback answered.
@@ -94,6 +98,7 @@ class Choice:
     ssm_indices: tuple[int, ...]
     depth: int
     trees: dict[int, TreeConfig] | None
+    plan: Plan
     predicted_tau: float
     predicted_tokens_per_s: float
     fallback: bool = False
@@ -105,9 +110,11 @@ class Choice:
         table = next((t.ngram_depths for t in (self.trees or {}).values() if t.ngram_depths), ())
         return Candidate(mask_of(self.ssm_indices), self.depth, table)
 
-    def as_plan(self) -> RequestPlan:
-        """``(active, tree)`` for ``SpeculativeEngine.generate``."""
-        return list(self.ssm_indices), self.trees
+
+def default_drafters(n: int, prompt_lookup: bool) -> tuple[str, ...]:
+    """The names of ``n`` drafters when none were recorded: ssm-1 .. ssm-K, then prompt lookup."""
+    ssms = n - int(prompt_lookup)
+    return tuple(f"ssm-{k}" for k in range(1, ssms + 1)) + ((LOOKUP_NAME,) if prompt_lookup else ())
 
 
 def candidates(n_ssms: int, depths: Sequence[int]) -> list[Candidate]:
@@ -170,11 +177,13 @@ class Scheduler:
         meta: where it came from (LLM, SSM directories, label depth, ...), for reports.
         margin: relative predicted speed-up needed to leave the fallback candidate.
         draft_vocab: the draft vocabulary size of the chosen trees (0: whole; costs were measured so).
-        prompt_lookup: the last of the ``n_ssms`` drafters is a prompt-lookup drafter
-            (``serving/lookup.py``), the others SSMs; an engine serving this scheduler must be built so
-            (``SpeculativeEngine.from_models(..., lookup=scheduler.lookup_length)``).
+        prompt_lookup: one of the drafters is the prompt-lookup drafter (``LOOKUP_NAME``,
+            ``serving/lookup.py``); an engine serving this scheduler needs it, drafting chains of up to
+            ``lookup_length`` tokens (``boosttune/assemble.py`` builds it so).
         lookup_depths: prompt lookup's chain length per matched n-gram length (``stepwise.py``),
             used whenever a choice includes prompt lookup; empty: the choice's depth.
+        drafters: the names of the ``n_ssms`` drafters, bit j of a mask being ``drafters[j]``. Empty
+            (files written before drafters were named): ssm-1 .. ssm-K, then prompt lookup.
     """
 
     spec: FeatureSpec
@@ -189,9 +198,15 @@ class Scheduler:
     draft_vocab: int = 0
     prompt_lookup: bool = False
     lookup_depths: tuple[int, ...] = ()
+    drafters: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         n, d = self.costs.n_ssms, self.label_depth
+        object.__setattr__(self, "drafters", tuple(self.drafters) or default_drafters(n, self.prompt_lookup))
+        if len(self.drafters) != n or len(set(self.drafters)) != n:
+            raise ValueError(f"scheduler: {n} distinct drafter names needed, got {list(self.drafters)}")
+        if self.prompt_lookup != (LOOKUP_NAME in self.drafters):
+            raise ValueError(f"scheduler: prompt_lookup={self.prompt_lookup} but the drafters are {list(self.drafters)}")
         if self.model.intercept.shape[0] != len(all_masks(n)) * d:
             raise ValueError(
                 f"scheduler: the model predicts {self.model.intercept.shape[0]} outputs, "
@@ -213,16 +228,17 @@ class Scheduler:
 
     @property
     def lookup_length(self) -> int:
-        """The ``lookup`` argument of ``SpeculativeEngine.from_models`` (0: no prompt-lookup drafter)."""
+        """The longest chain the prompt-lookup drafter is asked for (0: no prompt-lookup drafter)."""
         return self.label_depth if self.prompt_lookup else 0
 
-    def check_drafters(self, n_ssms: int) -> None:
-        """Refuse to serve with ``n_ssms`` SSMs when the scheduler was trained with another number."""
-        want = self.n_ssms - int(self.prompt_lookup)
-        if n_ssms != want:
+    def check_drafters(self, ssm_names: Sequence[str]) -> None:
+        """Refuse to serve with SSMs other than the ones the scheduler was trained with (by name)."""
+        want = [d for d in self.drafters if d != LOOKUP_NAME]
+        if sorted(ssm_names) != sorted(want):
             raise SchedulerFileError(
-                f"the scheduler was trained for {want} SSMs{' and prompt lookup' if self.prompt_lookup else ''}, "
-                f"the bundle has {n_ssms}; retrain it with `boosttune train-scheduler RUN_DIR` and re-export"
+                f"the scheduler was trained for {len(want)} SSMs{' and prompt lookup' if self.prompt_lookup else ''}, "
+                f"the bundle has {len(ssm_names)} ({', '.join(want)} vs {', '.join(ssm_names)}); retrain it with "
+                "`boosttune train-scheduler RUN_DIR` and re-export"
             )
 
     @property
@@ -239,8 +255,8 @@ class Scheduler:
 
     @property
     def lookup_index(self) -> int:
-        """The prompt-lookup drafter's index (-1: none)."""
-        return self.n_ssms - 1 if self.prompt_lookup else -1
+        """The prompt-lookup drafter's index in ``drafters`` (-1: none)."""
+        return self.drafters.index(LOOKUP_NAME) if self.prompt_lookup else -1
 
     def trees(self, cand: Candidate) -> dict[int, TreeConfig] | None:
         """Each drafter of ``cand``'s tree: SSMs ``widths[:depth]``, prompt lookup a chain of ``depth``
@@ -249,6 +265,10 @@ class Scheduler:
             return None
         depths = cand.drafter_depths(self.n_ssms, self.lookup_index, self.label_depth)
         return depth_trees(depths, self.widths, self.draft_vocab, self.lookup_index, cand.ngram_depths)
+
+    def plan(self, cand: Candidate) -> Plan:
+        """``cand`` as the engine takes it: its drafters by name, each with its tree."""
+        return Plan({self.drafters[j]: tree for j, tree in (self.trees(cand) or {}).items()})
 
     def with_table(self, cand: Candidate) -> Candidate:
         """``cand`` with the learned per-match lengths when it drafts with prompt lookup."""
@@ -283,10 +303,10 @@ class Scheduler:
             choice = self.decide(self.survival(features), len(prompt_ids))
         return dataclasses.replace(choice, seconds=time.perf_counter() - start)
 
-    def planner(self, prompt_ids: Sequence[int], chat: bool, log: list[Choice] | None = None) -> PlanHook:
-        """An engine ``plan`` hook: features from the prefill, then ``choose`` (appended to ``log``)."""
+    def planner(self, prompt_ids: Sequence[int], chat: bool, log: list[Choice] | None = None) -> Planner:
+        """An engine ``Planner``: features from the prefill, then ``choose`` (appended to ``log``)."""
 
-        def plan(hidden: torch.Tensor) -> RequestPlan:
+        def plan(hidden: torch.Tensor) -> Plan:
             start = time.perf_counter()
             try:
                 feats = request_features(prompt_ids, hidden, chat, self.spec)
@@ -296,7 +316,7 @@ class Scheduler:
             choice = dataclasses.replace(choice, seconds=time.perf_counter() - start)
             if log is not None:
                 log.append(choice)
-            return choice.as_plan()
+            return choice.plan
 
         return plan
 
@@ -307,7 +327,8 @@ class Scheduler:
 
     def _choice(self, cand: Candidate, tau: float, sec: float) -> Choice:
         cand = self.with_table(cand)
-        return Choice(members(cand.mask), cand.depth, self.trees(cand), tau, 1.0 / sec if sec > 0 else float("nan"))
+        return Choice(members(cand.mask), cand.depth, self.trees(cand), self.plan(cand), tau,
+                      1.0 / sec if sec > 0 else float("nan"))
 
     def _out_of_range(self, prompt_ids: Sequence[int], features: RequestFeatures) -> str:
         x = features.vector()
@@ -340,6 +361,7 @@ class Scheduler:
             "draft_vocab": self.draft_vocab,
             "prompt_lookup": self.prompt_lookup,
             "lookup_depths": list(self.lookup_depths),
+            "drafters": list(self.drafters),
         }
 
     @classmethod
@@ -357,6 +379,8 @@ class Scheduler:
             draft_vocab=int(body.get("draft_vocab", 0)),  # absent in files written before it existed
             prompt_lookup=bool(body.get("prompt_lookup", False)),  # likewise
             lookup_depths=tuple(int(k) for k in body.get("lookup_depths", ())),  # likewise
+            # files written before drafters were named kept their names as meta["ssms"] (or none)
+            drafters=tuple(str(d) for d in body.get("drafters") or body.get("meta", {}).get("ssms") or ()),
         )
 
     def save(self, path: str | Path) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -143,7 +144,8 @@ def subtree(tree: TokenTree, keep: Tensor) -> tuple[TokenTree, Tensor]:
 
 
 def merge_trees(trees: list[TokenTree], dedupe: bool) -> tuple[TokenTree, list[Tensor]]:
-    """Merge several SSMs' trees into one; returns it and, per input tree, (N_i,) merged indices.
+    """Merge several drafters' trees into one; returns it and, per input tree, (N_i,) merged indices.
+    A node's proposer is the index of its tree in ``trees`` (for a shared node, the first).
 
     With ``dedupe`` (greedy decoding) nodes with the same token under the same merged parent are
     shared, so common prefixes are verified once. Without it (sampling) every draft node stays its
@@ -156,9 +158,9 @@ def merge_trees(trees: list[TokenTree], dedupe: bool) -> tuple[TokenTree, list[T
     dists, row_offset = [], 0
     children: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
     maps = []
-    for tree in trees:
+    for j, tree in enumerate(trees):
         tk, pa, dp = tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist()  # host sync, once
-        pr, qp, dr = tree.proposer.tolist(), tree.q_prob.tolist(), tree.dist_row.tolist()
+        qp, dr = tree.q_prob.tolist(), tree.dist_row.tolist()
         local = []
         for i in range(tree.size):
             mp = local[pa[i]] if pa[i] >= 0 else -1
@@ -171,7 +173,7 @@ def merge_trees(trees: list[TokenTree], dedupe: bool) -> tuple[TokenTree, list[T
             tokens.append(tk[i])
             parents.append(mp)
             depth.append(dp[i])
-            proposer.append(pr[i])
+            proposer.append(j)
             q_prob.append(qp[i])
             dist_row.append(dr[i] + row_offset if dr[i] >= 0 else -1)
         if tree.q_dists is not None:
@@ -212,6 +214,11 @@ class TreePolicy(Protocol):
         """(N,) bool: the drafted nodes to keep, closed under ancestors; None: all of them."""
         ...
 
+    def accepts(self, cfg: TreeConfig, ranks: np.ndarray) -> np.ndarray:
+        """(O,) ranks of the true output tokens under a drafter (0: its argmax after the true prefix)
+        → (O,) draft tokens this tree would have had accepted by a greedy step starting at each."""
+        ...
+
 
 class ExpansionTree:
     """SpecInfer's expansion tree: every node of depth d - 1 gets ``widths[d - 1]`` children."""
@@ -227,6 +234,19 @@ class ExpansionTree:
 
     def keep(self, cfg: TreeConfig, cum_logq: Tensor, depth: Tensor, greedy: bool) -> Tensor | None:
         return None
+
+    def accepts(self, cfg: TreeConfig, ranks: np.ndarray) -> np.ndarray:
+        """``accepted[t]`` is the largest d <= len(widths) with ``ranks[t + l - 1] < widths[l - 1]`` for
+        every l <= d (and t + d <= O: the output ends there): the tree's node on the true path at level
+        l expands its ``widths[l - 1]`` likeliest tokens."""
+        t_out = ranks.shape[0]
+        out = np.zeros(t_out, dtype=np.int64)
+        for t in range(t_out):
+            d = 0
+            while d < len(cfg.widths) and t + d < t_out and ranks[t + d] < cfg.widths[d]:
+                d += 1
+            out[t] = d
+        return out
 
 
 class DynamicTree:
@@ -244,6 +264,10 @@ class DynamicTree:
     def keep(self, cfg: TreeConfig, cum_logq: Tensor, depth: Tensor, greedy: bool) -> Tensor | None:
         # pruning siblings by their sampled values would bias stochastic verification: greedy only
         return rerank_keep(cum_logq, depth, cfg.budget) if greedy else None
+
+    def accepts(self, cfg: TreeConfig, ranks: np.ndarray) -> np.ndarray:
+        raise ValueError("position labels need expansion trees: which nodes a dynamic tree keeps depends on "
+                         "the draft probabilities along the way, not on the true tokens' ranks alone")
 
 
 TREE_POLICIES: dict[str, TreePolicy] = {"expansion": ExpansionTree(), "dynamic": DynamicTree()}

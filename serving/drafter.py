@@ -1,6 +1,12 @@
-"""Drafters: anything that proposes a token tree for the committed text.
+"""Drafters: anything that proposes a token tree for the committed text, through one interface.
 
-Shape legend: T committed tokens, F frontier nodes, W children per node, V vocabulary, N nodes.
+Shape legend: T committed tokens (P of them the prompt's, O generated), F frontier nodes, W children
+per node, V vocabulary, K draft vocabulary, N nodes.
+
+A drafter is told its tree with every ``draft`` call (``TreeConfig``: the engine's plan decides it
+per request) and keeps no configuration of its own. ``replay`` answers, for a finished greedy
+request, what its tree would have had accepted by a step starting at every output position: the
+full-information labels the learned scheduler is trained on (``scheduler/offline/labels.py``).
 
 An SSM drafter keeps its own KV cache. Its cache layout during a step is
 ``[committed tokens (T)] [draft nodes it fed, in feed order]``; every node of one depth is fed in
@@ -13,8 +19,11 @@ is fed at the start of the next ``draft``. The committed prefix is never re-run.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -24,19 +33,49 @@ from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams, logits_to_probs
 from boosttune.serving.tree import TokenTree, ancestor_mask
 
+NOT_DRAFTABLE = np.iinfo(np.int64).max
+"""The rank of a token outside the draft vocabulary: no tree width reaches it."""
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What a drafter alone would have had accepted on a finished greedy request of O output tokens.
+
+    Attributes:
+        accepted: (O,) draft tokens a step starting at output position t would have had accepted
+            from this drafter's tree (the bonus token not counted).
+        ngram: (O,) prompt lookup's matched n-gram length at t (0: no match); None for drafters
+            whose draft does not depend on a match.
+        chain: (O,) tokens prompt lookup's chain holds at t; None likewise.
+    """
+
+    accepted: np.ndarray
+    ngram: np.ndarray | None = None
+    chain: np.ndarray | None = None
+
 
 class Drafter(Protocol):
     """Proposes a tree rooted at the last committed token, then learns which path was accepted."""
 
-    def reset(self) -> None: ...
+    def reset(self) -> None:
+        """Forget the previous request (caches)."""
+        ...
 
-    def draft(self, committed: Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> TokenTree:
-        """Tree for the (T,) committed tokens; its root is ``committed[-1]``."""
+    def draft(
+        self, committed: Tensor, tree: TreeConfig, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> TokenTree:
+        """Tree of shape ``tree`` for the (T,) committed tokens; its root is ``committed[-1]``.
+        Node proposers are 0 (``merge_trees`` numbers the drafters of a step)."""
         ...
 
     def accept(self, accepted: list[int]) -> None:
         """``accepted``: this drafter's node indices on the accepted path, from the root down,
         stopping where the accepted path leaves this drafter's tree."""
+        ...
+
+    def replay(self, prompt: Sequence[int], out: Sequence[int], tree: TreeConfig) -> Replay:
+        """Per output position of a finished greedy request (``prompt`` then ``out``), what a step
+        starting there would have had accepted from a tree of shape ``tree``."""
         ...
 
 
@@ -57,18 +96,13 @@ def draft_probs(logits: Tensor, sampling: SamplingParams) -> Tensor:
 class SSMDrafter:
     """A small causal LM that drafts a tree depth by depth (one forward per depth)."""
 
-    def __init__(
-        self, runner: ModelRunner, tree: TreeConfig, index: int = 0, vocab_size: int | None = None,
-        ranking: Tensor | None = None,
-    ):
+    def __init__(self, runner: ModelRunner, vocab_size: int | None = None, ranking: Tensor | None = None):
         """``vocab_size``: the LLM's logit width V; an SSM with embedding rows padded differently
         has its logits cut or padded (with -inf, q = 0) to V so p and q share one support.
-        ``ranking``: the draft vocabulary ranking, used when the tree has ``draft_vocab`` > 0."""
+        ``ranking``: the draft vocabulary ranking, used by trees with ``draft_vocab`` > 0."""
         self.runner = runner
         self.ranking = ranking
-        self._head_k = 0  # draft vocabulary size the runner's head is cut to (0: whole)
-        self.tree_config = tree
-        self.index = index
+        self._head_k = 0  # draft vocabulary size the runner's head is cut to (0: whole); a cache
         self.vocab_size = vocab_size
         self._synced = 0  # committed tokens whose KV entries sit at the start of the cache
         self._committed_len = 0  # committed length at the last draft
@@ -78,17 +112,20 @@ class SSMDrafter:
         self.runner.reset()
         self._synced = 0
 
-    def _sync_head(self) -> None:
-        """Cut the runner's LM head to the tree's draft vocabulary (on a change of tree only)."""
-        k = self.tree_config.draft_vocab
-        if k == self._head_k:
-            return
-        if k and self.ranking is None:
+    def _head(self, k: int) -> Tensor | None:
+        """(K,) token ids of a draft vocabulary of ``k`` tokens (None for 0: the whole vocabulary)."""
+        if not k:
+            return None
+        if self.ranking is None:
             raise ValueError(f"tree draft_vocab={k} needs the draft vocabulary ranking (draft_vocab.json); "
                              "none was given to this SSM drafter")
-        rows = self.runner.model.get_output_embeddings().weight.shape[0]
-        self.runner.restrict_head(head_ids(self.ranking, k, rows) if k else None)
-        self._head_k = k
+        return head_ids(self.ranking, k, self.runner.model.get_output_embeddings().weight.shape[0])
+
+    def _sync_head(self, k: int) -> None:
+        """Cut the runner's LM head to a draft vocabulary of ``k`` tokens (on a change only)."""
+        if k != self._head_k:
+            self.runner.restrict_head(self._head(k))
+            self._head_k = k
 
     def _catch_up(self, committed: Tensor) -> Tensor:
         """Feed the committed tokens the cache lacks; returns (V,) logits after the last one."""
@@ -108,13 +145,14 @@ class SSMDrafter:
         return torch.cat([logits, pad], dim=-1)
 
     @torch.inference_mode()
-    def draft(self, committed: Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> TokenTree:
-        cfg = self.tree_config
-        policy = cfg.policy
+    def draft(
+        self, committed: Tensor, tree: TreeConfig, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> TokenTree:
+        cfg, policy = tree, tree.policy  # cfg: the tree's shape; the drafted TokenTree is built below
         greedy = sampling.greedy
         t = committed.shape[0]
         self._committed_len = t
-        self._sync_head()
+        self._sync_head(cfg.draft_vocab)
         q_root = draft_probs(self._catch_up(committed).unsqueeze(0), sampling)  # (1, V)
 
         tokens, parents, q_prob, dist_row = [], [], [], []
@@ -170,20 +208,20 @@ class SSMDrafter:
 
         long = dict(dtype=torch.long)
         n = len(tokens)
-        tree = TokenTree(
+        drafted = TokenTree(
             tokens=torch.tensor(tokens, **long), parents=torch.tensor(parents, **long),
-            depth=torch.tensor(depths, **long), proposer=torch.full((n,), self.index, **long),
+            depth=torch.tensor(depths, **long), proposer=torch.zeros(n, **long),
             q_prob=torch.tensor(q_prob, dtype=torch.float32), dist_row=torch.tensor(dist_row, **long),
             q_dists=torch.cat(dists) if dists else None,
         )
         slots = torch.full((n,), -1, **long)
         slots[torch.tensor(fed, **long)] = torch.arange(len(fed))
-        keep = policy.keep(cfg, torch.tensor(cum), tree.depth, greedy)
+        keep = policy.keep(cfg, torch.tensor(cum), drafted.depth, greedy)
         if keep is not None:
-            tree, old = subtree(tree, keep)
+            drafted, old = subtree(drafted, keep)
             slots = slots[old]
         self._slots = slots
-        return tree
+        return drafted
 
     def accept(self, accepted: list[int]) -> None:
         keep = []
@@ -194,3 +232,47 @@ class SSMDrafter:
             keep.append(slot)
         self.runner.keep(self._committed_len, torch.tensor(keep, dtype=torch.long))
         self._synced = self._committed_len + len(keep)
+
+    def replay(self, prompt: Sequence[int], out: Sequence[int], tree: TreeConfig) -> Replay:
+        """The tree's node on the true path at level l expands the SSM's top ``w_l`` tokens after the
+        true prefix, so the tree holds the true continuation to depth d iff each of its first d tokens
+        ranks high enough (``TreePolicy.accepts``); one teacher-forced forward over ``prompt + out``
+        gives every rank at once. This matches the engine up to rounding: the engine drafts with a KV
+        cache in the SSM's dtype, which can order near-tied logits differently."""
+        ranks = draft_ranks(self.runner.model, prompt, out, self._head(tree.draft_vocab))
+        return Replay(tree.policy.accepts(tree, ranks))
+
+
+@torch.inference_mode()
+def draft_ranks(model, prompt: Sequence[int], out: Sequence[int], head: Tensor | None = None) -> np.ndarray:
+    """(O,) rank of each output token among the SSM's logits after the true prefix (0: its argmax).
+
+    Args:
+        model: the SSM (a causal LM with ``base_model`` and output embeddings).
+        prompt: the prompt's token ids (at least one).
+        out: the generated token ids.
+        head: (K,) the draft vocabulary's token ids (None: the whole vocabulary); tokens outside it
+            get ``NOT_DRAFTABLE``.
+    """
+    p, t_out = len(prompt), len(out)
+    if t_out == 0:
+        return np.zeros(0, dtype=np.int64)
+    weight = model.get_output_embeddings().weight
+    ids = torch.tensor([[*prompt, *out[:-1]]], dtype=torch.long, device=weight.device)
+    hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0, p - 1 :]  # (O, H)
+    rows = weight if head is None else weight[head.to(weight.device)]
+    logits = (hidden @ rows.T).float()  # (O, K)
+    truth = torch.tensor(out, dtype=torch.long, device=weight.device)
+    if head is None:  # an LLM token past the SSM's vocabulary cannot be drafted
+        inside = truth < weight.shape[0]
+        col = truth.clamp(max=weight.shape[0] - 1)
+    else:
+        where = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)
+        where[head.to(weight.device)] = torch.arange(head.numel(), device=weight.device)
+        col = where[truth]
+        inside = col >= 0
+        col = col.clamp(min=0)
+    true_logit = logits.gather(1, col[:, None])  # (O, 1)
+    ranks = (logits > true_logit).sum(dim=1).cpu().numpy().astype(np.int64)
+    ranks[~inside.cpu().numpy()] = NOT_DRAFTABLE
+    return ranks

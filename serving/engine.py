@@ -1,10 +1,20 @@
 """The speculative engine: draft trees, verify them in one LLM forward, commit, compact caches.
 
-Shape legend: T committed tokens, N merged tree nodes, V vocabulary.
+Shape legend: T committed tokens, N merged tree nodes, V vocabulary, H the LLM's hidden size.
+
+Glossary (p = the LLM's distribution, q = a drafter's):
+- *drafter*: proposes a token tree for the committed text (``drafter.py``: an SSM; ``lookup.py``:
+  prompt lookup). The engine holds its drafters by name; a drafter keeps its KV cache between the
+  steps of a request but no configuration: its tree comes with every ``draft`` call.
+- *plan* (``Plan``): the drafters one request drafts with, each with its tree. The engine has a
+  default plan; a request may bring its own, or a *planner* chooses one from the LLM's prefill
+  hidden states (the learned scheduler, ``scheduler/policy.py``).
+- *step*: one LLM forward that verifies the merged tree and commits the accepted path plus the
+  LLM's own next token (the bonus token).
 
 One step:
-1. every drafter proposes a tree rooted at the pending token (the last committed one, which is
-   not yet in the LLM's cache); the trees are merged (common prefixes shared for greedy);
+1. every drafter of the plan proposes a tree rooted at the pending token (the last committed one,
+   which is not yet in the LLM's cache); the trees are merged (common prefixes shared for greedy);
 2. the LLM feeds ``[pending] + nodes`` in ONE forward with tree attention (positions are the
    prefix length plus depth);
 3. greedy or stochastic verification picks the accepted path and the LLM's bonus token;
@@ -12,9 +22,6 @@ One step:
    drafter keeps what it fed of that path; the bonus token becomes the next pending token.
 
 τ (accepted tokens per step) counts the bonus, so plain decoding has τ = 1 (Spec-Bench).
-
-Per request, ``generate`` can use a subset of the drafters and another tree (``active``, ``tree``),
-or let a ``plan`` hook choose both from the LLM's prefill hidden states (the learned scheduler);
 ``record=True`` logs per-step timings and, for greedy decoding, every drafter's counterfactual
 accepted length (full-information labels: one verification scores every branch at once).
 """
@@ -27,11 +34,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel
 
 from boosttune.serving.builders import TreeConfig, merge_trees
-from boosttune.serving.drafter import Drafter, SSMDrafter
-from boosttune.serving.lookup import PromptLookupDrafter, lookup_tree
+from boosttune.serving.drafter import Drafter
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams, logits_to_probs, sample
 from boosttune.serving.stops import StopCriteria
@@ -46,10 +51,10 @@ class StepRecord:
 
     Attributes:
         nodes: merged tree nodes the LLM verified (0 for a plain decoding step).
-        accepts: per active drafter (``GenerationResult.active`` order), draft tokens its branch
+        accepts: per drafter of the plan (``GenerationResult.active`` order), draft tokens its branch
             alone would have had accepted (greedy only; empty under sampling). The step accepted
             the maximum of them (before stop strings / max tokens cut it).
-        draft_s: per active drafter, seconds in its ``draft`` call (the first step includes its
+        draft_s: per drafter of the plan, seconds in its ``draft`` call (the first step includes its
             catch-up over the whole prompt).
         verify_s: seconds of the LLM's verification forward.
         step_s: seconds of the whole step (drafting, merge, verification, cache compaction, stops).
@@ -71,11 +76,12 @@ class GenerationResult:
         accept_lengths: tokens committed by each LLM forward after the prefill (bonus included).
         wall_time: seconds from the call to the last token, prefill included.
         finish_reason: "stop" (EOS or stop string) or "length".
-        proposer_hits: per drafter, accepted nodes it had proposed (merged trees credit every
-            drafter that proposed a shared node).
-        active: drafter indices this request used (None: not recorded, e.g. incremental decoding).
+        proposer_hits: per drafter of the plan (by name), accepted nodes it had proposed (merged
+            trees credit every drafter that proposed a shared node).
+        active: the names of the drafters this request drafted with, in the engine's order (None: not
+            recorded, e.g. incremental decoding).
         prefill_s: seconds of the LLM's prefill forward.
-        plan_s: seconds spent in the ``plan`` hook (the scheduler's serve-time cost).
+        plan_s: seconds spent in the planner (the scheduler's serve-time cost).
         records: per-step measurements when ``generate(record=True)``, else empty.
     """
 
@@ -83,8 +89,8 @@ class GenerationResult:
     accept_lengths: list[int]
     wall_time: float
     finish_reason: str
-    proposer_hits: list[int] = field(default_factory=list)
-    active: list[int] | None = None
+    proposer_hits: dict[str, int] = field(default_factory=dict)
+    active: list[str] | None = None
     prefill_s: float = 0.0
     plan_s: float = 0.0
     records: list[StepRecord] = field(default_factory=list)
@@ -99,63 +105,67 @@ class GenerationResult:
 
 
 TokenCallback = Callable[[list[int]], None]
-TreeChoice = TreeConfig | Mapping[int, TreeConfig] | None
-"""A tree for every active drafter, one per drafter index (drafters not named keep theirs), or None."""
-RequestPlan = tuple[Sequence[int] | None, TreeChoice]
-"""(drafter indices to use or None for all, trees for them (``TreeChoice``))."""
-PlanHook = Callable[[Tensor], RequestPlan]
-"""Called once after the prefill with the (T - 1, H) fp32 last-layer hidden states of the prompt
-without its pending token ((0, H) for a one-token prompt)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The drafters one request drafts with, each with its tree (no drafter: plain decoding).
+
+    Attributes:
+        trees: drafter name → the tree it drafts this request. The engine drafts and merges them in
+            its own drafter order, whatever the order here.
+    """
+
+    trees: Mapping[str, TreeConfig] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, tree in self.trees.items():
+            if not isinstance(name, str) or not isinstance(tree, TreeConfig):
+                raise TypeError(f"a plan maps drafter names to TreeConfig, got {name!r}: {type(tree).__name__}")
+
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        """The names of the drafters the plan drafts with."""
+        return tuple(self.trees)
+
+
+Planner = Callable[[Tensor], Plan | None]
+"""Chooses a request's plan once, after the prefill, from the (T - 1, H) fp32 last-layer hidden
+states of the prompt without its pending token ((0, H) for a one-token prompt); None: the engine's
+default plan."""
 
 
 class SpeculativeEngine:
-    """Token-tree speculative decoding of one LLM with any number of drafters (0 = incremental)."""
+    """Token-tree speculative decoding of one LLM with any number of named drafters (0 = incremental).
 
-    def __init__(self, llm: ModelRunner, drafters: Sequence[Drafter]):
+    ``plan`` is the default plan: what a request drafts with when it brings no plan or planner.
+    Engines are assembled in one place (``boosttune/assemble.py``); tests build them directly.
+    """
+
+    def __init__(self, llm: ModelRunner, drafters: Mapping[str, Drafter], plan: Plan):
         self.llm = llm
-        self.drafters = list(drafters)
+        self.drafters = dict(drafters)
+        self.plan = self._checked(plan)
 
-    @classmethod
-    def from_models(
-        cls, llm: PreTrainedModel, ssms: Sequence[PreTrainedModel], tree: TreeConfig, ranking: Tensor | None = None,
-        lookup: int = 0,
-    ) -> SpeculativeEngine:
-        """An engine whose SSMs all draft the same tree shape; ``ranking``: the draft vocabulary
-        ranking (``draft_vocab.py``), needed by trees with ``draft_vocab`` > 0; ``lookup`` > 0 adds
-        a prompt-lookup drafter (``lookup.py``) proposing up to that many tokens, after the SSMs."""
-        v = llm.get_output_embeddings().weight.shape[0]
-        drafters: list[Drafter] = [
-            SSMDrafter(ModelRunner(m), tree, i, vocab_size=v, ranking=ranking) for i, m in enumerate(ssms)
-        ]
-        if lookup:
-            drafters.append(PromptLookupDrafter(lookup_tree(lookup), len(drafters), vocab_size=v))
-        return cls(ModelRunner(llm), drafters)
+    def _checked(self, plan: Plan) -> Plan:
+        unknown = [name for name in plan.trees if name not in self.drafters]
+        if unknown:
+            raise ValueError(f"the plan names drafters {unknown} this engine does not have ({list(self.drafters)})")
+        return plan
 
     def _draft(
         self, committed: Tensor, sampling: SamplingParams, gen: torch.Generator,
-        drafters: Sequence[Drafter] | None = None, times: list[float] | None = None,
+        drafters: Sequence[tuple[Drafter, TreeConfig]], times: list[float],
     ) -> tuple[TokenTree, list[Tensor]]:
-        """Merged tree of ``drafters`` (default: all); appends each draft's seconds to ``times``."""
-        drafters = self.drafters if drafters is None else drafters
+        """Merged tree of ``drafters``, each drafting its tree; appends each draft's seconds to ``times``."""
         if not drafters:
             return TokenTree.empty(), []
         trees = []
-        for d in drafters:
+        for d, tree in drafters:
             t0 = time.perf_counter()
-            trees.append(d.draft(committed, sampling, gen))
-            if times is not None:
-                times.append(time.perf_counter() - t0)
+            trees.append(d.draft(committed, tree, sampling, gen))
+            times.append(time.perf_counter() - t0)
         return merge_trees(trees, dedupe=sampling.greedy)
-
-    def _resolve_active(self, active: Sequence[int] | None) -> list[int]:
-        if active is None:
-            return list(range(len(self.drafters)))
-        out = [int(i) for i in active]
-        bad = [i for i in out if not 0 <= i < len(self.drafters)]
-        if bad or len(set(out)) != len(out):
-            n = len(self.drafters)
-            raise ValueError(f"active drafters must be distinct indices in [0, {n}), got {out}")
-        return sorted(out)
 
     @torch.inference_mode()
     def generate(
@@ -165,9 +175,8 @@ class SpeculativeEngine:
         sampling: SamplingParams | None = None,
         on_tokens: TokenCallback | None = None,
         *,
-        active: Sequence[int] | None = None,
-        tree: TreeChoice = None,
-        plan: PlanHook | None = None,
+        plan: Plan | None = None,
+        planner: Planner | None = None,
         record: bool = False,
     ) -> GenerationResult:
         """Generate after ``prompt_ids``; ``on_tokens`` receives each step's committed tokens.
@@ -177,23 +186,23 @@ class SpeculativeEngine:
             stop: when to stop (max new tokens, EOS, stop strings).
             sampling: greedy (default) or sampled decoding.
             on_tokens: receives each step's committed tokens.
-            active: drafter indices to use for this request (None: all; empty: plain decoding).
-            tree: tree shape for the active drafters during this request (None: their own), or a
-                mapping from drafter index to its tree (an SSM and prompt lookup read depth differently).
-            plan: hook deciding ``(active, tree)`` from the prefill hidden states; overrides both.
+            plan: the drafters and trees of this request (None: the engine's default plan).
+            planner: chooses the plan from the prefill hidden states instead (``Planner``).
             record: log a ``StepRecord`` per step in ``GenerationResult.records``.
         """
         sampling = sampling or SamplingParams()
         if len(prompt_ids) == 0:
             raise ValueError("prompt_ids must hold at least one token")
+        if plan is not None and planner is not None:
+            raise ValueError("a request takes a plan or a planner, not both")
         start = time.perf_counter()
         self.llm.reset()
-        for d in self.drafters:
+        for d in self.drafters.values():
             d.reset()
         committed = list(prompt_ids)
         prefix = torch.tensor(committed[:-1], dtype=torch.long)
         plan_s = 0.0
-        if plan is None:
+        if planner is None:
             if len(committed) > 1:  # prefill all but the pending token
                 self.llm.forward_chain(prefix)
         else:
@@ -201,37 +210,27 @@ class SpeculativeEngine:
             hidden = (self.llm.chain_hidden(prefix) if len(committed) > 1
                       else torch.zeros(0, width, device=self.llm.device))  # on chain_hidden's device
             t0 = time.perf_counter()
-            active, tree = plan(hidden)
+            plan = planner(hidden)
             plan_s = time.perf_counter() - t0
         prefill_s = time.perf_counter() - start - plan_s
-        chosen = self._resolve_active(active)
-        saved = [
-            (i, d, d.tree_config) for i, d in enumerate(self.drafters) if i in chosen and hasattr(d, "tree_config")
-        ]
-        try:
-            for i, d, _ in saved:
-                override = tree.get(i) if isinstance(tree, Mapping) else tree
-                if override is not None:
-                    d.tree_config = override
-            res = self._loop(committed, stop, sampling, on_tokens, chosen, record)
-        finally:
-            for _, d, own in saved:
-                d.tree_config = own
+        plan = self._checked(plan) if plan is not None else self.plan
+        res = self._loop(committed, stop, sampling, on_tokens, plan, record)
         res.wall_time = time.perf_counter() - start
         res.prefill_s, res.plan_s = prefill_s, plan_s
         return res
 
     def _loop(
         self, committed: list[int], stop: StopCriteria, sampling: SamplingParams,
-        on_tokens: TokenCallback | None, chosen: list[int], record: bool,
+        on_tokens: TokenCallback | None, plan: Plan, record: bool,
     ) -> GenerationResult:
-        """The speculative loop after the prefill, drafting with the drafters ``chosen``."""
+        """The speculative loop after the prefill, drafting with the drafters of ``plan``."""
         gen = sampling.generator(self.llm.device)  # the verifier samples from p on the LLM's device
-        drafters = [self.drafters[i] for i in chosen]
+        names = [name for name in self.drafters if name in plan.trees]
+        drafters = [(self.drafters[name], plan.trees[name]) for name in names]
         records: list[StepRecord] = []
         generated: list[int] = []
         accept_lengths: list[int] = []
-        hits = [0] * len(self.drafters)
+        hits = dict.fromkeys(names, 0)
         finish = None
         while finish is None:
             t_step = time.perf_counter()
@@ -248,9 +247,9 @@ class SpeculativeEngine:
                 p = logits_to_probs(logits, sampling)  # (N + 1, V)
                 path, bonus = stochastic_verify(tree, p, gen) if tree.size else ([], int(sample(p, gen)[0]))
             self.llm.keep(prefix_len, torch.tensor([0] + [n + 1 for n in path], dtype=torch.long))
-            for j, d in enumerate(drafters):
+            for j, (d, _) in enumerate(drafters):
                 local = _local_path(maps[j], path)
-                hits[chosen[j]] += len(local)
+                hits[names[j]] += len(local)
                 d.accept(local)
             new, finish = stop.cut(generated, tree.tokens[path].tolist() + [bonus])
             generated += new
@@ -262,7 +261,7 @@ class SpeculativeEngine:
                 accepts = greedy_branch_accepts(tree, logits, maps) if sampling.greedy else []
                 step_s = time.perf_counter() - t_step
                 records.append(StepRecord(tree.size, accepts, draft_s, verify_s, step_s))
-        return GenerationResult(generated, accept_lengths, 0.0, finish, hits, active=chosen, records=records)
+        return GenerationResult(generated, accept_lengths, 0.0, finish, hits, active=names, records=records)
 
 
 def _local_path(merged_of_local: Tensor, path: list[int]) -> list[int]:

@@ -15,15 +15,21 @@ The draft is a chain (one node per depth) of up to ``max_depth`` tokens of the t
 (``TreeConfig.max_depth``: an expansion tree's widths only set the length here). Its draft
 distribution is one-hot at the proposed token, which the stochastic verifier handles exactly like
 any q: a node is accepted with probability p(x), and on rejection the residual is p without x.
+
+Its full-information labels (``replay``, ``lookup_positions``) are exact: at every output position
+the drafter would see exactly the prompt and the output before it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from boosttune.serving.builders import TreeConfig
+from boosttune.serving.drafter import Replay
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.tree import TokenTree
 
@@ -78,19 +84,37 @@ def chain_length(ngram: int, depth: int, ngram_depths: tuple[int, ...] = ()) -> 
     return depth
 
 
+def lookup_positions(
+    prompt: Sequence[int], out: Sequence[int], depth: int, max_ngram: int = 3, min_ngram: int = 1
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Prompt lookup at every output position, chains of up to ``depth`` tokens.
+
+    Returns:
+        accepted: (T,) leading chain tokens equal to the output from t on.
+        ngram: (T,) length of the matched n-gram (0: no match, no draft).
+        chain: (T,) tokens the chain holds (0 when no match).
+    """
+    ctx = np.asarray([*prompt, *out], dtype=np.int64)
+    p, t_out = len(prompt), len(out)
+    accepted, ngram, chain = (np.zeros(t_out, dtype=np.int64) for _ in range(3))
+    for t in range(t_out):
+        n, draft = find_match(ctx[: p + t], depth, max_ngram, min_ngram)
+        truth = ctx[p + t : p + t + draft.shape[0]]
+        same = draft[: truth.shape[0]] == truth
+        ngram[t], chain[t] = n, draft.shape[0]
+        accepted[t] = same.shape[0] if same.all() else int(np.argmin(same))
+    return accepted, ngram, chain
+
+
 class PromptLookupDrafter:
     """Drafts a chain copied from the committed text (``find_match``); keeps no state. The chain is
     as long as the tree's depth, or as ``TreeConfig.ngram_depths`` sets for the match's n-gram length
     (a learned scheduler drafts long chains after long matches, short ones after a single token)."""
 
-    def __init__(
-        self, tree: TreeConfig, index: int, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1
-    ):
+    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
         """``vocab_size``: the LLM's logit width V (the one-hot draft distributions' width)."""
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.tree_config = tree
-        self.index = index
         self.vocab_size = vocab_size
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
@@ -98,10 +122,12 @@ class PromptLookupDrafter:
     def reset(self) -> None:
         pass
 
-    def draft(self, committed: Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> TokenTree:
+    def draft(
+        self, committed: Tensor, tree: TreeConfig, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> TokenTree:
         ctx = committed.detach().cpu().numpy()
-        ngram, chain = find_match(ctx, self.tree_config.max_depth, self.max_ngram, self.min_ngram)
-        chain = chain[: chain_length(ngram, self.tree_config.max_depth, self.tree_config.ngram_depths)]
+        ngram, chain = find_match(ctx, tree.max_depth, self.max_ngram, self.min_ngram)
+        chain = chain[: chain_length(ngram, tree.max_depth, tree.ngram_depths)]
         n = int(chain.shape[0])
         long = dict(dtype=torch.long)
         q_dists, dist_row = None, torch.full((n,), -1, **long)  # greedy verification reads no q
@@ -113,7 +139,7 @@ class PromptLookupDrafter:
             tokens=torch.from_numpy(chain.astype(np.int64)),
             parents=torch.arange(-1, n - 1, **long),
             depth=torch.arange(1, n + 1, **long),
-            proposer=torch.full((n,), self.index, **long),
+            proposer=torch.zeros(n, **long),
             q_prob=torch.ones(n, dtype=torch.float32),
             dist_row=dist_row,
             q_dists=q_dists,
@@ -121,3 +147,8 @@ class PromptLookupDrafter:
 
     def accept(self, accepted: list[int]) -> None:
         pass
+
+    def replay(self, prompt: Sequence[int], out: Sequence[int], tree: TreeConfig) -> Replay:
+        """Chains of up to the tree's depth at every output position (``lookup_positions``); the
+        per-match lengths (``ngram_depths``) are left to the replay, which knows each match's length."""
+        return Replay(*lookup_positions(prompt, out, tree.max_depth, self.max_ngram, self.min_ngram))

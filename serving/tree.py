@@ -28,7 +28,7 @@ class TokenTree:
         tokens: (N,) long, the candidate token of each node.
         parents: (N,) long, index of the parent node, -1 for children of the root; ``parents[i] < i``.
         depth: (N,) long, 1 for children of the root.
-        proposer: (N,) long, index of the SSM that proposed the node.
+        proposer: (N,) long, which of the drafters merged into this tree proposed the node (``merge_trees``).
         q_prob: (N,) float, q(token) under the proposer's (processed) distribution at the parent.
         dist_row: (N,) long, row of ``q_dists`` that the node was drawn from (-1 when not kept).
         q_dists: (M, V) float or None: the proposers' processed distributions at expanded nodes,

@@ -230,9 +230,9 @@ def test_cli_serve_refuses_a_damaged_bundle_before_listening(copy, capsys):
 
 
 def test_bundle_with_a_draft_vocabulary_decodes_losslessly(run_dir, tmp_path):
+    from boosttune.assemble import engine_from_models
     from boosttune.serving.decode import incremental_generate
     from boosttune.serving.draft_vocab import load_ranking
-    from boosttune.serving.engine import SpeculativeEngine
     from boosttune.serving.stops import StopCriteria
 
     out = export_bundle(run_dir, tmp_path / "cut", draft_vocab=12).bundle
@@ -242,12 +242,12 @@ def test_bundle_with_a_draft_vocabulary_decodes_losslessly(run_dir, tmp_path):
     b = load_bundle(out)
     assert b.tree.draft_vocab == 12
     assert b.ranking.tolist() == load_ranking(run_dir / "draft_vocab.json").tolist()
-    engine = SpeculativeEngine.from_models(b.llm.model, [s.model for s in b.ssms], b.tree, ranking=b.ranking)
+    engine = engine_from_models(b.llm.model, [s.model for s in b.ssms], b.tree, ranking=b.ranking)
     ids = b.llm.tokenizer("Tell me a story")["input_ids"]
     stop = StopCriteria(max_new_tokens=20)
     res = engine.generate(ids, stop)
     assert res.tokens == incremental_generate(b.llm.model, ids, stop).tokens
-    assert [d.runner.head_ids.numel() for d in engine.drafters] == [12, 12]
+    assert [d.runner.head_ids.numel() for d in engine.drafters.values()] == [12, 12]
     # A manifest asking for a draft vocabulary without shipping the ranking is refused.
     del m["draft_vocab"]
     _write_manifest(out, m)
@@ -266,7 +266,7 @@ def test_bundle_default_prompt_lookup_serves_without_a_scheduler(tmp_path):
     """`export --prompt-lookup N` makes the server (no scheduler) draft with prompt lookup too."""
     from boosttune.serving.decode import incremental_generate
     from boosttune.serving.http.server import ServerConfig, create_app
-    from boosttune.serving.lookup import PromptLookupDrafter
+    from boosttune.serving.lookup import LOOKUP_NAME, PromptLookupDrafter
     from boosttune.serving.stops import StopCriteria
 
     bare = make_run_dir(tmp_path / "run", n_ssms=1, scheduler=False)
@@ -277,7 +277,7 @@ def test_bundle_default_prompt_lookup_serves_without_a_scheduler(tmp_path):
     state = create_app(b, ServerConfig(model_name="m", torch_threads=1, warmup=False)).state.boosttune
     assert state.scheduler is None and state.drafter_names == ["ssm-1", "prompt-lookup"]
     engine = state.worker.engine
-    assert isinstance(engine.drafters[-1], PromptLookupDrafter) and engine.drafters[-1].tree_config.max_depth == 4
+    assert isinstance(engine.drafters[LOOKUP_NAME], PromptLookupDrafter) and engine.plan.trees[LOOKUP_NAME].max_depth == 4
     ids = b.llm.tokenizer("the cat sat on the mat and the cat sat on the")["input_ids"]
     stop = StopCriteria(max_new_tokens=16)
     assert engine.generate(ids, stop).tokens == incremental_generate(b.llm.model, ids, stop).tokens

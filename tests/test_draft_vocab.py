@@ -16,11 +16,12 @@ import torch
 from conftest import perturbed, tiny_llama
 from test_engine_sampling import VOCAB, exact_distribution, pvalue, run_engine, sampling_models
 
+from boosttune.assemble import engine_from_models
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.draft_vocab import coverage, head_ids, load_ranking, rank_tokens, save_ranking
 from boosttune.serving.drafter import SSMDrafter
-from boosttune.serving.engine import SpeculativeEngine
+from boosttune.serving.engine import Plan, SpeculativeEngine
 from boosttune.serving.runner import ModelRunner, restricted_head_error
 from boosttune.serving.stops import StopCriteria
 
@@ -84,18 +85,18 @@ def test_greedy_with_a_draft_vocabulary_matches_incremental(seed, k):
     # LLM's tokens are outside the draft vocabulary and those drafts must be rejected, not forced.
     ranking, _ = rank_tokens([ref.tokens], vocab_size=64)
     tree = TreeConfig(widths=(2, 1, 1), draft_vocab=k)
-    eng = SpeculativeEngine.from_models(llm, ssms, tree, ranking=torch.tensor(ranking))
+    eng = engine_from_models(llm, ssms, tree, ranking=torch.tensor(ranking))
     out = eng.generate(prompt, stop)
     assert out.tokens == ref.tokens
     drafted = set(head_ids(torch.tensor(ranking), k, 64).tolist())
     if k == 3:
         assert not set(ref.tokens) <= drafted, "the test needs LLM tokens outside the draft vocabulary"
-    assert sum(out.proposer_hits) > 0
+    assert sum(out.proposer_hits.values()) > 0
 
 
 def test_a_tree_with_a_draft_vocabulary_needs_a_ranking():
     llm = tiny_llama(23)
-    eng = SpeculativeEngine.from_models(llm, [perturbed(llm, 1, 0.1)], TreeConfig(widths=(1,), draft_vocab=8))
+    eng = engine_from_models(llm, [perturbed(llm, 1, 0.1)], TreeConfig(widths=(1,), draft_vocab=8))
     with pytest.raises(ValueError, match="needs the draft vocabulary ranking"):
         eng.generate([3, 4], StopCriteria(max_new_tokens=3))
 
@@ -103,10 +104,10 @@ def test_a_tree_with_a_draft_vocabulary_needs_a_ranking():
 def test_draft_vocabulary_follows_the_tree_of_each_request():
     llm = tiny_llama(24)
     ranking = torch.arange(64).flip(0)
-    eng = SpeculativeEngine.from_models(llm, [perturbed(llm, 2, 0.1)], TreeConfig(widths=(1, 1)), ranking=ranking)
-    runner = eng.drafters[0].runner
+    eng = engine_from_models(llm, [perturbed(llm, 2, 0.1)], TreeConfig(widths=(1, 1)), ranking=ranking)
+    runner = eng.drafters["ssm-1"].runner
     stop = StopCriteria(max_new_tokens=6)
-    eng.generate([3, 4], stop, tree=TreeConfig(widths=(1, 1), draft_vocab=5))
+    eng.generate([3, 4], stop, plan=Plan({"ssm-1": TreeConfig(widths=(1, 1), draft_vocab=5)}))
     assert runner.head_ids.tolist() == [63, 62, 61, 60, 59]
     eng.generate([3, 4], stop)
     assert runner.head_ids is None, "the drafter's own tree (whole vocabulary) is back after the request"
@@ -117,8 +118,8 @@ def _restricted_engine(llm, ssms, excluded: int) -> SpeculativeEngine:
     # (or the bonus token) can produce it.
     ranking = torch.tensor([t for t in range(VOCAB) if t != excluded] + [excluded])
     trees = [TreeConfig(widths=(2, 2), min_prob=0.15, draft_vocab=3), TreeConfig(widths=(2, 1), draft_vocab=2)]
-    drafters = [SSMDrafter(ModelRunner(s), t, i, ranking=ranking) for i, (s, t) in enumerate(zip(ssms, trees, strict=True))]
-    return SpeculativeEngine(ModelRunner(llm), drafters)
+    drafters = {f"ssm-{i}": SSMDrafter(ModelRunner(s), ranking=ranking) for i, s in enumerate(ssms)}
+    return SpeculativeEngine(ModelRunner(llm), drafters, Plan(dict(zip(drafters, trees, strict=True))))
 
 
 def _likeliest_first_token(exact: dict[tuple[int, int], float]) -> int:

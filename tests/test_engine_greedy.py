@@ -6,10 +6,11 @@ import pytest
 import torch
 from conftest import perturbed, tiny_llama
 
+from boosttune.assemble import engine_from_models
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.drafter import SSMDrafter
-from boosttune.serving.engine import SpeculativeEngine
+from boosttune.serving.engine import Plan, SpeculativeEngine
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
@@ -24,8 +25,8 @@ TREES = {
 
 
 def engine(llm, ssms, trees) -> SpeculativeEngine:
-    drafters = [SSMDrafter(ModelRunner(s), t, i) for i, (s, t) in enumerate(zip(ssms, trees, strict=True))]
-    return SpeculativeEngine(ModelRunner(llm), drafters)
+    drafters = {f"ssm-{i}": SSMDrafter(ModelRunner(s)) for i, s in enumerate(ssms)}
+    return SpeculativeEngine(ModelRunner(llm), drafters, Plan(dict(zip(drafters, trees, strict=True))))
 
 
 @pytest.mark.parametrize("tree", sorted(TREES))
@@ -53,7 +54,7 @@ def test_merged_ssms_match_incremental(seed):
     ref = incremental_generate(llm, prompt, stop)
     out = engine(llm, ssms, trees).generate(prompt, stop)
     assert out.tokens == ref.tokens
-    assert sum(out.proposer_hits) > 0
+    assert sum(out.proposer_hits.values()) > 0
 
 
 def test_llm_as_its_own_ssm_accepts_every_draft():
@@ -80,7 +81,7 @@ def test_eos_and_max_new_tokens_cut_inside_a_step():
 def test_no_drafters_is_plain_incremental_decoding():
     llm = tiny_llama(5)
     stop = StopCriteria(max_new_tokens=12)
-    out = SpeculativeEngine(ModelRunner(llm), []).generate([1, 2, 3], stop)
+    out = SpeculativeEngine(ModelRunner(llm), {}, Plan()).generate([1, 2, 3], stop)
     assert out.tokens == incremental_generate(llm, [1, 2, 3], stop).tokens
     assert out.accept_lengths == [1] * 12
 
@@ -92,7 +93,7 @@ def test_ssm_with_padded_vocabulary_matches_incremental(extra):
     ssm.resize_token_embeddings(64 + extra)
     stop = StopCriteria(max_new_tokens=20)
     ref = incremental_generate(llm, [4, 5, 6], stop)
-    out = SpeculativeEngine.from_models(llm, [ssm], TreeConfig(widths=(2, 1, 1))).generate([4, 5, 6], stop)
+    out = engine_from_models(llm, [ssm], TreeConfig(widths=(2, 1, 1))).generate([4, 5, 6], stop)
     assert out.tokens == ref.tokens
 
 
@@ -101,8 +102,8 @@ def test_greedy_trees_branch_on_the_ssms_next_best_tokens():
     (the one-hot greedy distribution would give the argmax and two arbitrary zero-q tokens)."""
     ssm = tiny_llama(2)
     prompt = [3, 4, 5]
-    drafter = SSMDrafter(ModelRunner(ssm), TreeConfig(widths=(3, 2)))
-    tree = drafter.draft(torch.tensor(prompt), SamplingParams(), None)
+    drafter = SSMDrafter(ModelRunner(ssm))
+    tree = drafter.draft(torch.tensor(prompt), TreeConfig(widths=(3, 2)), SamplingParams(), None)
     with torch.inference_mode():
         probs = torch.softmax(ssm(torch.tensor([prompt])).logits[0, -1].float(), -1)
     top = probs.topk(3)

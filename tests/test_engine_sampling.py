@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 
 import boosttune.serving.engine as engine_mod
 from boosttune.serving.builders import TreeConfig
-from boosttune.serving.engine import SpeculativeEngine
+from boosttune.serving.engine import Plan, SpeculativeEngine
 from boosttune.serving.sampling import SamplingParams, logits_to_probs
 from boosttune.serving.stops import StopCriteria
 
@@ -73,7 +73,8 @@ def make_engine(llm, ssms) -> SpeculativeEngine:
     from boosttune.serving.drafter import SSMDrafter
     from boosttune.serving.runner import ModelRunner
 
-    return SpeculativeEngine(ModelRunner(llm), [SSMDrafter(ModelRunner(s), t, i) for i, (s, t) in enumerate(zip(ssms, trees, strict=True))])
+    drafters = {f"ssm-{i}": SSMDrafter(ModelRunner(s)) for i, s in enumerate(ssms)}
+    return SpeculativeEngine(ModelRunner(llm), drafters, Plan(dict(zip(drafters, trees, strict=True))))
 
 
 def test_sampling_keeps_the_llm_distribution(models):

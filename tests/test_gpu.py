@@ -20,11 +20,12 @@ import torch
 from conftest import perturbed, tiny_llama
 
 import boosttune.kernels.tree_attention_triton as tat
+from boosttune.assemble import engine_from_models
 from boosttune.kernels.tree_attention import tree_attention_reference
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.drafter import SSMDrafter
-from boosttune.serving.engine import GenerationResult, SpeculativeEngine
+from boosttune.serving.engine import GenerationResult, Plan, SpeculativeEngine
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
@@ -74,7 +75,7 @@ def run_pair(
     prompt = _prompt(seed)
     stop = StopCriteria(max_new_tokens=NEW_TOKENS)
     ref = incremental_generate(llm, prompt, stop)
-    engine = SpeculativeEngine(ModelRunner(llm), [SSMDrafter(ModelRunner(ssm), TREES[tree], 0)])
+    engine = SpeculativeEngine(ModelRunner(llm), {"ssm": SSMDrafter(ModelRunner(ssm))}, Plan({"ssm": TREES[tree]}))
     out = engine.generate(prompt, stop)
     return ref, out
 
@@ -161,7 +162,7 @@ def _sampling_engine(tree: str, lookup: int = 0) -> tuple[SpeculativeEngine, tor
     llm = tiny_llama(0)
     ssm = perturbed(llm, 100, noise=0.15)
     llm, ssm = llm.to(DEVICE), ssm.to(DEVICE)
-    return SpeculativeEngine.from_models(llm, [ssm], TREES[tree], lookup=lookup), llm
+    return engine_from_models(llm, [ssm], TREES[tree], lookup=lookup), llm
 
 
 @pytest.mark.parametrize("params", sorted(SAMPLING))

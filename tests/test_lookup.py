@@ -12,8 +12,9 @@ import boosttune.serving.engine as engine_mod
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.drafter import SSMDrafter
-from boosttune.serving.engine import SpeculativeEngine
+from boosttune.serving.engine import Plan, SpeculativeEngine
 from boosttune.serving.lookup import (
+    LOOKUP_NAME,
     PromptLookupDrafter,
     chain_length,
     find_match,
@@ -49,17 +50,18 @@ def test_find_match_reports_the_ngram_and_per_match_lengths_cut_the_chain():
     assert find_match(np.array([7, 8, 9]), 4)[0] == 0
     assert [chain_length(n, 8, (0, 2, 5)) for n in (0, 1, 2, 3, 4)] == [0, 0, 2, 5, 5]
     assert chain_length(2, 3, (0, 6)) == 3 and chain_length(1, 6) == 6  # capped at the depth; no table
-    drafter = PromptLookupDrafter(lookup_tree(8, (0, 2, 5)), 0, vocab_size=16)
-    assert drafter.draft(torch.tensor(ctx), SamplingParams(), None).tokens.tolist() == [4, 5, 6, 9, 1]
+    drafter, tree = PromptLookupDrafter(vocab_size=16), lookup_tree(8, (0, 2, 5))
+    assert drafter.draft(torch.tensor(ctx), tree, SamplingParams(), None).tokens.tolist() == [4, 5, 6, 9, 1]
     one_token_match = torch.tensor([3, 4, 0, 3])  # only "3" repeats: this table drafts nothing
-    assert drafter.draft(one_token_match, SamplingParams(), None).size == 0
+    assert drafter.draft(one_token_match, tree, SamplingParams(), None).size == 0
 
 
 def lookup_engine(llm, ssms=(), length=4, ngram_depths=()) -> SpeculativeEngine:
     v = llm.get_output_embeddings().weight.shape[0]
-    drafters = [SSMDrafter(ModelRunner(s), TreeConfig(widths=(2, 1, 1)), i) for i, s in enumerate(ssms)]
-    drafters.append(PromptLookupDrafter(lookup_tree(length, ngram_depths), len(drafters), vocab_size=v))
-    return SpeculativeEngine(ModelRunner(llm), drafters)
+    drafters = {f"ssm-{i}": SSMDrafter(ModelRunner(s)) for i, s in enumerate(ssms)}
+    trees = dict.fromkeys(drafters, TreeConfig(widths=(2, 1, 1)))
+    drafters[LOOKUP_NAME], trees[LOOKUP_NAME] = PromptLookupDrafter(vocab_size=v), lookup_tree(length, ngram_depths)
+    return SpeculativeEngine(ModelRunner(llm), drafters, Plan(trees))
 
 
 @pytest.mark.parametrize("with_ssm, ngram_depths", [(False, ()), (True, ()), (False, (1, 3, 6))])
@@ -73,7 +75,7 @@ def test_greedy_with_prompt_lookup_matches_incremental(with_ssm, ngram_depths):
         ref = incremental_generate(llm, prompt, stop)
         out = lookup_engine(llm, ssms, length=6, ngram_depths=ngram_depths).generate(prompt, stop)
         assert out.tokens == ref.tokens, seed
-        hits += out.proposer_hits[-1]
+        hits += out.proposer_hits[LOOKUP_NAME]
     assert hits > 0, "prompt lookup never had a draft accepted: the test would not exercise it"
 
 

@@ -19,6 +19,7 @@ from boosttune.scheduler.persist import SchedulerFileError, digest
 from boosttune.scheduler.policy import Candidate, Scheduler
 from boosttune.scheduler.subsets import monotone, union_survival
 from boosttune.serving.builders import TreeConfig
+from boosttune.serving.engine import Plan
 
 SPEC = FeatureSpec(hidden_size=2, ngram_buckets=1, lookup=False)  # the layout before the lookup feature
 IDS = [5, 6, 7, 8]  # any prompt of >= 2 tokens (the scheduler falls back without a prefill)
@@ -104,6 +105,7 @@ def test_fitted_scheduler_makes_the_expected_decisions(scheduler):
         3.0 / 0.042, rel=0.01
     )  # τ / (draft 0.02 + verify(2) 0.022)
     assert a.trees is not None and set(a.trees) == {0} and a.trees[0].widths == (1, 1)
+    assert a.plan == Plan({"ssm-1": TreeConfig(widths=(1, 1))})  # what the engine is handed: drafters by name
     assert scheduler.fallback == Candidate(0, 0)  # on these requests no fixed choice beats plain decoding
 
 
@@ -152,6 +154,11 @@ def test_scheduler_file_round_trip(scheduler, tmp_path):
     for (h0, h1), _ in KINDS.values():
         a, b = scheduler.choose(IDS, feats(h0, h1)), loaded.choose(IDS, feats(h0, h1))
         assert (a.ssm_indices, a.depth, a.predicted_tau) == (b.ssm_indices, b.depth, b.predicted_tau)
+    assert loaded.drafters == scheduler.drafters == ("ssm-1", "ssm-2")
+    # files written before drafters were named: the names come from meta["ssms"], else by position
+    body = {k: v for k, v in scheduler.to_json().items() if k != "drafters"}
+    assert Scheduler.from_json({**body, "meta": {"ssms": ["a", "b"]}}).drafters == ("a", "b")
+    assert Scheduler.from_json(body).drafters == ("ssm-1", "ssm-2")
 
 
 def _rewrite(path, edit) -> None:
@@ -271,14 +278,16 @@ def test_cost_model_prices_each_drafters_own_tree_size():
 
 
 def test_a_scheduler_for_another_number_of_ssms_is_refused(scheduler):
-    scheduler.check_drafters(2)
+    scheduler.check_drafters(["ssm-1", "ssm-2"])
     with pytest.raises(SchedulerFileError, match="trained for 2 SSMs, the bundle has 3"):
-        scheduler.check_drafters(3)
+        scheduler.check_drafters(["ssm-1", "ssm-2", "ssm-3"])
+    with pytest.raises(SchedulerFileError, match="ssm-1, ssm-2 vs ssm-1, ssm-3"):  # drafters are named, not counted
+        scheduler.check_drafters(["ssm-1", "ssm-3"])
     with_lookup = Scheduler(SPEC, scheduler.model, scheduler.costs, (1, 1), 30, 6.0, Candidate(0, 0),
                             prompt_lookup=True)
-    with_lookup.check_drafters(1)  # one SSM and prompt lookup
+    with_lookup.check_drafters(["ssm-1"])  # one SSM and prompt lookup
     with pytest.raises(SchedulerFileError, match="1 SSMs and prompt lookup, the bundle has 2"):
-        with_lookup.check_drafters(2)
+        with_lookup.check_drafters(["ssm-1", "ssm-2"])
 
 
 def test_ssm_depth_saturates_while_prompt_lookup_drafts_deeper(scheduler):

@@ -1,4 +1,4 @@
-"""The engine's hooks for the scheduler: drafter subsets, tree overrides, prefill states, labels."""
+"""The engine's hooks for the scheduler: plans naming drafters and their trees, prefill states, labels."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import pytest
 import torch
 from conftest import perturbed, tiny_llama
 
+from boosttune.assemble import engine_from_models
 from boosttune.scheduler.features import FeatureSpec
 from boosttune.scheduler.offline.labels import label_request
 from boosttune.scheduler.offline.walk import walk
 from boosttune.serving.builders import TreeConfig, merge_trees
 from boosttune.serving.decode import incremental_generate
-from boosttune.serving.engine import SpeculativeEngine
-from boosttune.serving.lookup import lookup_tree
+from boosttune.serving.engine import Plan, SpeculativeEngine
+from boosttune.serving.lookup import LOOKUP_NAME, lookup_tree
 from boosttune.serving.stops import StopCriteria
 from boosttune.serving.tree import TokenTree
 from boosttune.serving.verify import greedy_branch_accepts, greedy_verify
@@ -29,7 +30,13 @@ def models():
 
 def make(models, widths=(1, 2, 1)) -> SpeculativeEngine:
     llm, ssms = models
-    return SpeculativeEngine.from_models(llm, ssms, TreeConfig(widths=widths))
+    return engine_from_models(llm, ssms, TreeConfig(widths=widths))
+
+
+def plan_of(eng: SpeculativeEngine, active: list[int] | None, tree: TreeConfig | None) -> Plan:
+    """The engine's drafters ``active`` (by position; None: all), each with ``tree`` (None: its default)."""
+    names = list(eng.drafters) if active is None else [list(eng.drafters)[j] for j in active]
+    return Plan({name: tree or eng.plan.trees[name] for name in names})
 
 
 @pytest.mark.parametrize("active", [[], [1], [0, 2], None])
@@ -37,56 +44,61 @@ def test_drafter_subsets_and_tree_overrides_stay_lossless(models, active):
     stop = StopCriteria(max_new_tokens=24)
     ref = incremental_generate(models[0], PROMPT, stop).tokens
     eng = make(models)
+    default = eng.plan
     for tree in (None, TreeConfig(widths=(1,))):
-        out = eng.generate(PROMPT, stop, active=active, tree=tree)
+        out = eng.generate(PROMPT, stop, plan=plan_of(eng, active, tree))
         assert out.tokens == ref
-        assert out.active == (active if active is not None else [0, 1, 2])
-        unused = set(range(3)) - set(out.active)
-        assert all(out.proposer_hits[j] == 0 for j in unused)
+        assert out.active == list(plan_of(eng, active, None).drafters)
+        unused = set(eng.drafters) - set(out.active)
+        assert all(out.proposer_hits.get(name, 0) == 0 for name in unused)
         if tree is not None and out.active:
             assert max(out.accept_lengths) <= 2  # depth-1 trees: one draft token + the bonus
-    assert all(d.tree_config.widths == (1, 2, 1) for d in eng.drafters), "overrides last one request"
+    assert eng.plan == default and all(t.widths == (1, 2, 1) for t in eng.plan.trees.values()), \
+        "a request's plan lasts one request"
     if active == []:
         assert out.accept_lengths == [1] * 24
 
 
-def test_per_drafter_tree_overrides(models):
-    """A mapping gives each drafter its own tree for one request (the scheduler's SSM and lookup trees)."""
+def test_each_drafter_drafts_the_tree_its_plan_names(models):
+    """A plan gives each drafter its own tree for one request (the scheduler's SSM and lookup trees)."""
     llm, ssms = models
-    eng = SpeculativeEngine.from_models(llm, ssms, TreeConfig(widths=(1, 2, 1)), lookup=2)
+    eng = engine_from_models(llm, ssms, TreeConfig(widths=(1, 2, 1)), lookup=2)
     seen = {}
-    drafts = [d.draft for d in eng.drafters]
-    for j, d in enumerate(eng.drafters):
-        def spy(committed, sampling, gen, j=j, d=d):
-            seen[j] = d.tree_config.widths
-            return drafts[j](committed, sampling, gen)
+    for name, d in eng.drafters.items():
+        def spy(committed, tree, sampling, gen, name=name, draft=d.draft):
+            seen[name] = tree.widths
+            return draft(committed, tree, sampling, gen)
         d.draft = spy
     stop = StopCriteria(max_new_tokens=12)
-    out = eng.generate(PROMPT, stop, active=[2, 3], tree={2: TreeConfig(widths=(1,)), 3: TreeConfig(widths=(1,) * 6)})
+    plan = Plan({"ssm-3": TreeConfig(widths=(1,)), LOOKUP_NAME: TreeConfig(widths=(1,) * 6)})
+    out = eng.generate(PROMPT, stop, plan=plan)
     assert out.tokens == incremental_generate(llm, PROMPT, stop).tokens
-    assert seen == {2: (1,), 3: (1,) * 6}
-    assert [d.tree_config.widths for d in eng.drafters] == [(1, 2, 1)] * 3 + [(1, 1)], "overrides last one request"
+    assert seen == {"ssm-3": (1,), LOOKUP_NAME: (1,) * 6}
+    assert [t.widths for t in eng.plan.trees.values()] == [(1, 2, 1)] * 3 + [(1, 1)], "a request's plan lasts one request"
+    with pytest.raises(ValueError, match="does not have"):
+        eng.generate(PROMPT, stop, plan=Plan({"ssm-9": TreeConfig()}))
 
 
-def test_plan_hook_sees_prefill_states_and_chooses(models):
+def test_planner_sees_prefill_states_and_chooses(models):
     seen = []
 
-    def plan(hidden):
+    def planner(hidden):
         seen.append(hidden.shape)
-        return [2], TreeConfig(widths=(1, 1, 1, 1))
+        return Plan({"ssm-3": TreeConfig(widths=(1, 1, 1, 1))})
 
     stop = StopCriteria(max_new_tokens=20)
-    out = make(models).generate(PROMPT, stop, plan=plan)
+    out = make(models).generate(PROMPT, stop, planner=planner)
     assert seen == [(len(PROMPT) - 1, 32)]
-    assert out.active == [2] and out.accept_lengths == [5] * 4  # the LLM as its own SSM accepts everything
+    assert out.active == ["ssm-3"] and out.accept_lengths == [5] * 4  # the LLM as its own SSM accepts everything
     assert out.plan_s > 0 and out.prefill_s > 0
-    one = make(models).generate([9], stop, plan=lambda h: (seen.append(h.shape), ([], None))[1])
+    one = make(models).generate([9], stop, planner=lambda h: (seen.append(h.shape), Plan())[1])
     assert seen[-1] == (0, 32) and one.tokens == incremental_generate(models[0], [9], stop).tokens
 
 
 def test_recorded_branch_accepts_explain_every_step(models):
     stop = StopCriteria(max_new_tokens=30)
-    out = make(models).generate(PROMPT, stop, active=[0, 1], record=True)
+    eng = make(models)
+    out = eng.generate(PROMPT, stop, plan=plan_of(eng, [0, 1], None), record=True)
     assert len(out.records) == out.steps
     for rec, length in zip(
         out.records[:-1], out.accept_lengths[:-1], strict=True
@@ -133,7 +145,7 @@ def test_position_labels_replay_the_engines_own_steps(models, active, depths, ng
     accepted lengths) the engine takes when run with that policy (fp32 greedy: no rounding noise)."""
     llm, ssms = models
     widths = (1, 2, 1)
-    eng = SpeculativeEngine.from_models(llm, ssms, TreeConfig(widths=widths), lookup=5)
+    eng = engine_from_models(llm, ssms, TreeConfig(widths=widths), lookup=5)
     prompt = [3, 4, 5, 6, 3, 4, 5, 9, 3, 4]  # repeats itself: prompt lookup finds matches
     stop = StopCriteria(max_new_tokens=30)
     spec = FeatureSpec(hidden_size=llm.config.hidden_size, ngram_buckets=4, lookup=True)
@@ -141,7 +153,8 @@ def test_position_labels_replay_the_engines_own_steps(models, active, depths, ng
     trees = {j: TreeConfig(widths=widths[: depths[j]]) for j in active if j != 3}
     if 3 in active:
         trees[3] = lookup_tree(depths[3], ngram_depths)
-    run = eng.generate(prompt, stop, active=active, tree=trees)
+    names = list(eng.drafters)
+    run = eng.generate(prompt, stop, plan=Plan({names[j]: trees[j] for j in active}))
     assert run.tokens == incremental_generate(llm, prompt, stop).tokens
     assert max(run.accept_lengths) > 1, "no draft accepted: the comparison would be trivial"
     walked = walk(record.labels(), depths, lookup=3, ngram_depths=ngram_depths)

@@ -329,7 +329,7 @@ class _FakeEngine:
             time.sleep(self.delay)
             out.append(i)
             on_tokens([i])
-        return GenerationResult(out, [1] * len(out), 0.01, "length", [])
+        return GenerationResult(out, [1] * len(out), 0.01, "length")
 
 
 def _job(prompt, n, events):

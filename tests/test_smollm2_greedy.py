@@ -9,11 +9,11 @@ import pytest
 from conftest import MT_BENCH
 from transformers import AutoModelForCausalLM
 
+from boosttune.assemble import engine_from_models
 from boosttune.core.models import load_model
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
-from boosttune.serving.engine import SpeculativeEngine
 from boosttune.serving.stops import StopCriteria
 
 
@@ -44,8 +44,8 @@ def test_default_llm_greedy_identical_on_mt_bench(default_llm):
     for prompt, tree in zip(prompts, [trees[0], trees[1], trees[0]], strict=True):
         ids = encode_prompt(tok, prompt)
         ref = incremental_generate(llm, ids, stop)
-        merged = SpeculativeEngine.from_models(llm, ssms, tree).generate(ids, stop)
+        merged = engine_from_models(llm, ssms, tree).generate(ids, stop)
         assert merged.tokens == ref.tokens, json.dumps({"prompt": prompt.text[:80]})
-        self_draft = SpeculativeEngine.from_models(llm, [llm], TreeConfig(widths=(1, 1, 1))).generate(ids, stop)
+        self_draft = engine_from_models(llm, [llm], TreeConfig(widths=(1, 1, 1))).generate(ids, stop)
         assert self_draft.tokens == ref.tokens
         assert self_draft.tau > 3.0  # the LLM drafting for itself is (almost always) accepted

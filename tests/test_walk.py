@@ -12,16 +12,12 @@ from boosttune.scheduler.costs import CostModel
 from boosttune.scheduler.features import RequestFeatures
 from boosttune.scheduler.offline.evaluate import mean_tokens_per_s
 from boosttune.scheduler.offline.labels import RequestRecord
-from boosttune.scheduler.offline.positions import (
-    NOT_DRAFTABLE,
-    draft_ranks,
-    expansion_accepts,
-    lookup_positions,
-)
 from boosttune.scheduler.offline.stepwise import fit_ngram_depths
 from boosttune.scheduler.offline.walk import Labels, walk, walk_seconds
 from boosttune.scheduler.policy import Candidate
-from boosttune.serving.lookup import find_match
+from boosttune.serving.builders import TreeConfig
+from boosttune.serving.drafter import NOT_DRAFTABLE, draft_ranks
+from boosttune.serving.lookup import find_match, lookup_positions
 
 
 def test_walk_steps_over_positions():
@@ -69,11 +65,19 @@ def test_lookup_positions_agree_with_the_drafter_search():
             assert acc[t] == k
 
 
+def expansion_accepts(ranks: np.ndarray, widths: tuple[int, ...]) -> np.ndarray:
+    tree = TreeConfig(widths=widths)
+    return tree.policy.accepts(tree, ranks)
+
+
 def test_expansion_accepts_from_ranks():
     ranks = np.array([0, 0, 2, 0, 5, 0, NOT_DRAFTABLE, 0])
     # widths 1,1,3: level 3 accepts ranks < 3
     assert expansion_accepts(ranks, (1, 1, 3)).tolist() == [3, 1, 0, 1, 0, 1, 0, 1]
     assert expansion_accepts(ranks, (1,)).tolist() == [1, 1, 0, 1, 0, 1, 0, 1]
+    dynamic = TreeConfig(kind="dynamic")
+    with pytest.raises(ValueError, match="expansion trees"):
+        dynamic.policy.accepts(dynamic, ranks)
 
 
 def test_draft_ranks_match_the_models_own_argmax():

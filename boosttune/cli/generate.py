@@ -30,10 +30,10 @@ def add_commands(sub) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from boosttune.assemble import engine_from_models
     from boosttune.core.models import eos_token_ids, load_llm_and_ssms, parse_dtype
     from boosttune.core.prompts import encode_prompt
     from boosttune.serving.draft_vocab import ranking_for
-    from boosttune.serving.engine import SpeculativeEngine
     from boosttune.serving.sampling import SamplingParams
     from boosttune.serving.stops import StopCriteria
 
@@ -62,7 +62,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tok = llm.tokenizer
     ids = encode_prompt(tok, args.prompt, chat=not args.no_chat)
     eos = eos_token_ids(llm)
-    engine = SpeculativeEngine.from_models(
+    engine = engine_from_models(
         llm.model, [s.model for s in ssms], tree, ranking=ranking, lookup=lookup
     )
     shown: list[int] = []

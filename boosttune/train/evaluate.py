@@ -13,6 +13,7 @@ from dataclasses import asdict
 
 from tqdm import tqdm
 
+from boosttune.assemble import engine_from_models
 from boosttune.config import TrainConfig
 from boosttune.core.models import eos_token_ids, load_llm_and_ssms, parse_dtype
 from boosttune.core.prompts import encode_prompt, read_prompts
@@ -60,7 +61,7 @@ def evaluate_run(cfg: TrainConfig, run: RunDir, held_out: list[TrainPrompt]) -> 
     if len(ssms) > 1:
         runs.append(("ensemble", [s.model for s in ssms]))
     for name, models in tqdm(runs, desc="evaluate τ", unit="config", disable=None):
-        r = tau_of(SpeculativeEngine.from_models(llm.model, models, tree, ranking=ranking), prompts, stop)
+        r = tau_of(engine_from_models(llm.model, models, tree, ranking=ranking), prompts, stop)
         if name == "ensemble":
             out["ensemble"] = r
         else:

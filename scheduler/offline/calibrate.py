@@ -16,15 +16,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from boosttune.scheduler.costs import CostModel, depth_trees, tree_nodes
-from boosttune.serving.engine import GenerationResult, SpeculativeEngine
-from boosttune.serving.lookup import PromptLookupDrafter
+from boosttune.serving.engine import GenerationResult, Plan, SpeculativeEngine
+from boosttune.serving.lookup import LOOKUP_NAME
 from boosttune.serving.stops import StopCriteria
 
 
 @dataclass
 class _Samples:
-    """Raw timings gathered by ``calibrate`` before medians are taken."""
+    """Raw timings gathered by ``calibrate`` before medians are taken; drafters by index in ``names``."""
 
+    names: list[str]  # the engine's drafters
     draft: dict[tuple[int, int], list[float]]  # (ssm, depth) -> seconds of later-step drafts
     nodes: dict[tuple[int, int], list[int]]  # (ssm, depth) -> tree sizes of its solo steps
     prefill: dict[int, list[float]]  # ssm -> seconds per prompt token of the first catch-up
@@ -33,7 +34,7 @@ class _Samples:
 
     def add_run(self, res: GenerationResult, prompt_tokens: int, depth: int | None) -> None:
         """Fold one recorded run in; ``depth`` keys its draft times (None: merged run, skip them)."""
-        active = res.active or []
+        active = [self.names.index(name) for name in res.active or []]
         for i, rec in enumerate(res.records):
             self.verify.setdefault(rec.nodes, []).append(rec.verify_s)
             spent = rec.step_s - rec.verify_s - sum(rec.draft_s)
@@ -65,7 +66,7 @@ def calibrate(
     """Time every (SSM, depth) alone and plain decoding on ``prompts`` with the engine.
 
     Args:
-        engine: the engine with every SSM (greedy decoding).
+        engine: the engine with every drafter the scheduler chooses among (greedy decoding).
         prompts: token ids of the calibration prompts.
         widths: expansion widths; an SSM at depth k drafts ``widths[:k]``, prompt lookup a chain of k.
         depths: candidate depths.
@@ -75,17 +76,18 @@ def calibrate(
         draft_vocab: the SSM trees' draft vocabulary size (0: whole), as they will be served.
     """
     depths = sorted(depths)
-    n = len(engine.drafters)
-    lookup = next((j for j, d in enumerate(engine.drafters) if isinstance(d, PromptLookupDrafter)), -1)
-    samples = _Samples({}, {}, {}, {}, {})
+    names = list(engine.drafters)
+    n = len(names)
+    lookup = names.index(LOOKUP_NAME) if LOOKUP_NAME in names else -1
+    samples = _Samples(names, {}, {}, {}, {}, {})
     stop = StopCriteria(max_new_tokens=tokens)
     for ids in prompts:
-        res = engine.generate(ids, stop, active=[], record=True)
+        res = engine.generate(ids, stop, plan=Plan(), record=True)
         samples.add_run(res, len(ids), None)
         for k in depths:
             trees = depth_trees([k] * n, widths, draft_vocab, lookup)
             for j in range(n):
-                res = engine.generate(ids, stop, active=[j], tree=trees, record=True)
+                res = engine.generate(ids, stop, plan=Plan({names[j]: trees[j]}), record=True)
                 samples.add_run(res, len(ids), k)
     for res, prompt_tokens in merged_runs:
         samples.add_run(res, prompt_tokens, None)

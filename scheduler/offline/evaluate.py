@@ -151,16 +151,10 @@ def run_policy(
     """One real engine run of ``policy`` on one request."""
     if policy == "learned":
         log: list[Choice] = []
-        res = engine.generate(ids, stop, plan=scheduler.planner(ids, chat, log), record=True)
+        res = engine.generate(ids, stop, planner=scheduler.planner(ids, chat, log), record=True)
         return real_outcome(res, log[0].candidate), log[0]
     cand = fixed[policy]
-    res = engine.generate(
-        ids,
-        stop,
-        active=list(members(cand.mask)),
-        tree=scheduler.trees(cand),
-        record=True,
-    )
+    res = engine.generate(ids, stop, plan=scheduler.plan(cand), record=True)
     return real_outcome(res, cand), None
 
 

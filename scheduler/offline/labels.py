@@ -1,13 +1,14 @@
 """Full-information labels: one engine run per request with every drafter, then labels per position.
 
-Shape legend: T generated tokens of one request, N drafters (SSMs, then prompt lookup if any).
+Shape legend: T generated tokens of one request, N drafters (the engine plan's, in its order).
 
-The run (every drafter merged, greedy) writes the request's output, which is the same for every
-policy, and logs the measured costs (per-drafter draft seconds, verification seconds against tree
-size, per-step overhead) that ``costs.calibrate`` folds into the cost model. From the output,
-``positions.py`` then gives, for every position and drafter, the tokens that drafter alone would
-have had accepted had a step started there (one teacher-forced forward per SSM; a string search
-for prompt lookup), which ``walk.py`` replays for any policy, step by step.
+The run (every drafter of the engine's plan merged, greedy) writes the request's output, which is
+the same for every policy, and logs the measured costs (per-drafter draft seconds, verification
+seconds against tree size, per-step overhead) that ``calibrate.py`` folds into the cost model. From
+the output, each drafter's ``replay`` (``serving/drafter.py``) then gives, for every position, the
+tokens it alone would have had accepted had a step started there (one teacher-forced forward per
+SSM; the drafter's own string search for prompt lookup), which ``walk.py`` replays for any policy,
+step by step.
 """
 
 from __future__ import annotations
@@ -19,11 +20,8 @@ import numpy as np
 import torch
 
 from boosttune.scheduler.features import FeatureSpec, RequestFeatures, request_features
-from boosttune.scheduler.offline.positions import draft_ranks, expansion_accepts, lookup_positions
 from boosttune.scheduler.offline.walk import Labels
-from boosttune.serving.drafter import SSMDrafter
 from boosttune.serving.engine import GenerationResult, SpeculativeEngine
-from boosttune.serving.lookup import PromptLookupDrafter
 from boosttune.serving.stops import StopCriteria
 
 MAX_NGRAM = 3
@@ -38,7 +36,7 @@ class RequestRecord:
         id: the prompt's id.
         features: what the scheduler sees before decoding.
         accepts: (T, N) int, draft tokens drafter j alone would have had accepted by a step
-            starting at output position t, at the label depth (``positions.py``).
+            starting at output position t, at the label depth (the drafter's ``replay``).
         new_tokens: T, tokens generated (the same for every policy: greedy decoding is lossless).
         wall_s: seconds of the whole labelled request.
         prefill_s: seconds of the LLM's prefill.
@@ -113,26 +111,22 @@ def label_request(
     chat: bool,
     spec: FeatureSpec,
 ) -> RequestRecord:
-    """Run one request with every drafter (their own trees, the label depth) and label it."""
+    """Run one request with the engine's default plan (every drafter at the label depth) and label it."""
     captured: dict[str, RequestFeatures] = {}
 
-    def capture(hidden: torch.Tensor):
+    def capture(hidden: torch.Tensor) -> None:
         captured["f"] = request_features(ids, hidden, chat, spec)
-        return None, None  # every drafter, its own tree
+        return None  # the default plan
 
-    res = engine.generate(ids, stop, plan=capture, record=True)
+    res = engine.generate(ids, stop, planner=capture, record=True)
     columns, lookup, ngram, chain = [], -1, None, None
-    for j, d in enumerate(engine.drafters):
-        depth = d.tree_config.max_depth
-        if isinstance(d, PromptLookupDrafter):
-            accepted, ngram, chain = lookup_positions(ids, res.tokens, depth, d.max_ngram, d.min_ngram)
-            lookup = j
-        elif isinstance(d, SSMDrafter) and d.tree_config.kind == "expansion":
-            ranks = draft_ranks(d.runner.model, ids, res.tokens, d.runner.head_ids)
-            accepted = expansion_accepts(ranks, d.tree_config.widths)
-        else:
-            raise ValueError(f"labels need expansion trees or prompt lookup; drafter {j} is {type(d).__name__}")
-        columns.append(accepted)
+    for j, name in enumerate(res.active or []):  # the engine's drafter order, as its step records
+        replay = engine.drafters[name].replay(ids, res.tokens, engine.plan.trees[name])
+        if replay.ngram is not None:  # prompt lookup: its draft depends on the match at each position
+            if lookup >= 0:
+                raise ValueError(f"labels take one prompt-lookup drafter; the plan has more ({res.active})")
+            lookup, ngram, chain = j, replay.ngram, replay.chain
+        columns.append(replay.accepted)
     accepts = np.stack(columns, axis=1) if columns else np.zeros((len(res.tokens), 0), dtype=np.int64)
     return RequestRecord(
         id=prompt_id,

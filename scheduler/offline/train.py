@@ -20,12 +20,13 @@ import contextlib
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from boosttune.assemble import engine_from_models
 from boosttune.config import SchedulerConfig
 from boosttune.core.files import MARKER, atomic_write_json, atomic_write_text, mark_complete
 from boosttune.core.models import eos_token_ids, load_llm_and_ssms
@@ -44,11 +45,11 @@ from boosttune.scheduler.offline.labels import RequestRecord, collect_labels
 from boosttune.scheduler.offline.plot import plot_tokens_per_s
 from boosttune.scheduler.offline.report import build_report, format_table
 from boosttune.scheduler.offline.stepwise import fit_ngram_depths
-from boosttune.scheduler.policy import Scheduler
+from boosttune.scheduler.policy import Scheduler, default_drafters
 from boosttune.scheduler.subsets import members, union_survival
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.draft_vocab import load_ranking
-from boosttune.serving.engine import SpeculativeEngine
+from boosttune.serving.engine import Plan, SpeculativeEngine
 from boosttune.serving.lookup import LOOKUP_NAME
 from boosttune.serving.stops import StopCriteria
 
@@ -117,14 +118,13 @@ def _setup(run: RunDir, cfg: SchedulerConfig) -> _Setup:
         ranking = load_ranking(run.draft_vocab_path)
     label_tree = TreeConfig(widths=widths[: cfg.label_depth], draft_vocab=cfg.draft_vocab)
     lookup = cfg.label_depth if cfg.prompt_lookup else 0
-    engine = SpeculativeEngine.from_models(
-        llm.model, [s.model for s in ssms], label_tree, ranking=ranking, lookup=lookup
-    )
+    named = {path.name: s.model for path, s in zip(ssm_paths, ssms, strict=True)}
+    engine = engine_from_models(llm.model, named, label_tree, ranking=ranking, lookup=lookup)
     hidden = int(llm.model.get_output_embeddings().weight.shape[1])
     encoded = [(p.id, encode_prompt(llm.tokenizer, p, chat=cfg.chat)) for p in train_prompts + eval_prompts]
     eos = eos_token_ids(llm)
     _warm_up(engine, encoded[0][1], eos)
-    names = [p.name for p in ssm_paths] + ([LOOKUP_NAME] if cfg.prompt_lookup else [])
+    names = list(engine.drafters)
     return _Setup(
         engine=engine,
         names=names,
@@ -187,7 +187,7 @@ def train_scheduler(
             draft_vocab=cfg.draft_vocab,
         )
     with _timed(clock, "fit_s"):
-        scheduler = fit_scheduler(train_rec, costs, st.spec, st.widths, cfg)
+        scheduler = fit_scheduler(train_rec, costs, st.spec, st.widths, cfg, st.names)
         scheduler.meta.update({**st.meta, "created": time.time()})
         scheduler.save(run.scheduler_file)
         scheduler = Scheduler.load(run.scheduler_file)  # evaluate what serving will load
@@ -216,15 +216,18 @@ def train_scheduler(
 
 
 def fit_scheduler(
-    train: list[RequestRecord], costs, spec: FeatureSpec, widths: tuple[int, ...], cfg: SchedulerConfig
+    train: list[RequestRecord], costs, spec: FeatureSpec, widths: tuple[int, ...], cfg: SchedulerConfig,
+    drafters: Sequence[str] = (),
 ) -> Scheduler:
-    """Fit the acceptance model on labelled requests and wrap it with the costs and fallback."""
+    """Fit the acceptance model on labelled requests and wrap it with the costs and fallback;
+    ``drafters``: the names of the labels' columns (empty: ``default_drafters``)."""
     n, depth = costs.n_ssms, cfg.label_depth
+    names = tuple(drafters) or default_drafters(n, cfg.prompt_lookup)
     x = np.stack([r.features.vector() for r in train])
     y = np.stack([union_survival(r.accepts, n, depth).reshape(-1) for r in train])
     model = fit_linear(x, y, cfg.pca_components, cfg.ridge_alphas, passthrough=spec.head)
     fallback = best_fixed(train, costs)
-    lookup = n - 1 if cfg.prompt_lookup else -1
+    lookup = names.index(LOOKUP_NAME) if LOOKUP_NAME in names else -1
     table: tuple[int, ...] = ()
     if cfg.stepwise_lookup and lookup >= 0:
         with_lookup = fallback if lookup in members(fallback.mask) else best_fixed(train, costs, containing=lookup)
@@ -242,6 +245,7 @@ def fit_scheduler(
         draft_vocab=cfg.draft_vocab,
         prompt_lookup=cfg.prompt_lookup,
         lookup_depths=table,
+        drafters=names,
     )
 
 
@@ -249,7 +253,7 @@ def _warm_up(engine: SpeculativeEngine, ids: list[int], eos: frozenset[int]) -> 
     """First calls pay for lazy initialisation; keep them out of every timing."""
     stop = StopCriteria(max_new_tokens=4, eos_token_ids=eos)
     engine.generate(ids, stop, record=True)
-    engine.generate(ids, stop, active=[], record=True)
+    engine.generate(ids, stop, plan=Plan(), record=True)
 
 
 def _ticker(say: Callable[[str], None], total: int, verb: str) -> Callable[[int], None]:

@@ -1,4 +1,4 @@
-"""Replaying a policy step by step over position-level labels (``positions.py``).
+"""Replaying a policy step by step over position-level labels (``labels.py``, each drafter's ``replay``).
 
 Shape legend: T generated tokens, N drafters, S steps of the replayed walk.
 

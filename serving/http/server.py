@@ -34,8 +34,9 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from boosttune.assemble import engine_from_models
 from boosttune.serving.bundle import LoadedBundle
-from boosttune.serving.engine import GenerationResult, SpeculativeEngine
+from boosttune.serving.engine import GenerationResult
 from boosttune.serving.http.metrics import RequestMetricsMiddleware, ServerMetrics
 from boosttune.serving.http.protocol import (
     APIError,
@@ -60,7 +61,6 @@ from boosttune.serving.http.worker import (
     QueueFullError,
     TokensEvent,
 )
-from boosttune.serving.lookup import LOOKUP_NAME
 from boosttune.serving.stops import StopCriteria
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def load_scheduler(bundle: LoadedBundle):
     from boosttune.scheduler.policy import Scheduler
 
     sched = Scheduler.load(bundle.scheduler_dir / "scheduler.json")
-    sched.check_drafters(len(bundle.ssms))
+    sched.check_drafters(bundle.ssm_names)
     log.info("learned scheduler loaded from %s", bundle.scheduler_dir)
     return sched
 
@@ -139,10 +139,10 @@ class _State:
         # a scheduler trained with prompt lookup chooses among the SSMs and a prompt-lookup drafter;
         # without a scheduler the bundle's default (export --prompt-lookup) applies
         lookup = self.scheduler.lookup_length if self.scheduler is not None else bundle.manifest.prompt_lookup
-        engine = SpeculativeEngine.from_models(bundle.llm.model, [s.model for s in bundle.ssms], bundle.tree,
-                                               ranking=bundle.ranking, lookup=lookup)
+        ssms = {name: s.model for name, s in zip(bundle.ssm_names, bundle.ssms, strict=True)}
+        engine = engine_from_models(bundle.llm.model, ssms, bundle.tree, ranking=bundle.ranking, lookup=lookup)
         self.lookup = lookup
-        self.drafter_names = list(bundle.ssm_names) + ([LOOKUP_NAME] if lookup else [])
+        self.drafter_names = list(engine.drafters)
         self.worker = EngineWorker(engine, config.max_queue, on_finished=self._on_finished,
                                    threads=config.torch_threads, scheduler=self.scheduler)
         self.metrics = ServerMetrics(queue_depth=lambda: self.worker.queue_depth)
@@ -169,12 +169,10 @@ class _State:
         }
 
     def stats(self, req: GenerationRequest, result: GenerationResult, queue_time: float) -> dict:
-        names = self.drafter_names
-        used = list(range(len(names))) if result.active is None else list(result.active)
-        hits = result.proposer_hits
+        used = list(result.active or [])
         out = {
             "tau": result.tau, "steps": result.steps, "accept_lengths": result.accept_lengths,
-            "ssms": [names[i] for i in used], "ssm_hits": {names[i]: hits[i] for i in used if i < len(hits)},
+            "ssms": used, "ssm_hits": {name: result.proposer_hits.get(name, 0) for name in used},
             "engine_seconds": result.wall_time, "queue_seconds": queue_time,
             "tokens_per_s": len(result.tokens) / result.wall_time if result.wall_time > 0 else None,
         }

@@ -183,7 +183,7 @@ class EngineWorker:
             job.deliver(TokensEvent(list(tokens)))
 
         try:
-            extra = {} if self.scheduler is None else {"plan": self.scheduler.planner(job.prompt_ids, job.chat)}
+            extra = {} if self.scheduler is None else {"planner": self.scheduler.planner(job.prompt_ids, job.chat)}
             result = self.engine.generate(job.prompt_ids, job.stop, job.sampling, on_tokens, **extra)
         except _Cancelled:
             return CancelledEvent()
