@@ -1,21 +1,75 @@
-"""The one place a speculative engine is assembled from models.
+"""The one place a speculative engine is assembled: from models, or from a bundle with its scheduler.
 
-Every command that decodes builds its engine here, so the drafters, their names and their default
-trees are the same whichever command asks.
+`boosttune generate`, `serve` and `bench`, training's τ evaluation and the scheduler trainer all
+build their engines here, so one bundle gives the same drafters, default trees, draft vocabulary and
+learned scheduler whichever command loads it (``tests/test_scheduler_train.py`` runs generate, serve
+and bench on one bundle and compares what they assembled).
+
+Drafters are named: SSMs by their bundle or run names (``ssm_names`` when given without names), the
+prompt-lookup drafter ``LOOKUP_NAME``. A bundle with a learned scheduler (``scheduler/policy.py``)
+serves the drafters it was trained to choose among (its SSMs and, if it learned to use it, prompt
+lookup) and plans every request; without one (or with ``use_scheduler=False``) every request drafts
+with all SSMs on the bundle's tree and, if the bundle was exported with ``--prompt-lookup N``, prompt
+lookup.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from boosttune.core.models import LoadedModel, load_llm_and_ssms
+from boosttune.scheduler.policy import Scheduler
 from boosttune.serving.builders import TreeConfig
+from boosttune.serving.bundle import LoadedBundle, load_bundle
+from boosttune.serving.draft_vocab import ranking_for
 from boosttune.serving.drafter import Drafter, SSMDrafter
-from boosttune.serving.engine import Plan, SpeculativeEngine
+from boosttune.serving.engine import GenerationResult, Plan, SpeculativeEngine, TokenCallback
 from boosttune.serving.lookup import LOOKUP_NAME, PromptLookupDrafter, lookup_tree
 from boosttune.serving.runner import ModelRunner
+from boosttune.serving.sampling import SamplingParams
+from boosttune.serving.stops import StopCriteria
+
+SCHEDULER_FILE = "scheduler.json"
+"""The learned scheduler's file in a bundle's (and a run's) scheduler directory."""
+
+
+@dataclass
+class Served:
+    """An assembled engine with the models it decodes with and the scheduler that plans its requests.
+
+    Attributes:
+        engine: the engine; its default plan is what a request drafts when no scheduler plans it.
+        llm: the LLM, with its tokenizer.
+        ssms: the SSMs by drafter name.
+        ranking: the draft vocabulary ranking the SSMs were given (None: none).
+        scheduler: the learned scheduler (None: every request takes the engine's default plan).
+    """
+
+    engine: SpeculativeEngine
+    llm: LoadedModel
+    ssms: dict[str, LoadedModel]
+    ranking: Tensor | None = None
+    scheduler: Scheduler | None = None
+
+    def generate(
+        self, prompt_ids: Sequence[int], stop: StopCriteria, sampling: SamplingParams | None = None,
+        on_tokens: TokenCallback | None = None, *, chat: bool = True, record: bool = False,
+    ) -> GenerationResult:
+        """One request; the scheduler, if any, plans it from the prefill (``chat``: the prompt went
+        through the chat template, one of its features)."""
+        planner = self.scheduler.planner(prompt_ids, chat) if self.scheduler is not None else None
+        return self.engine.generate(prompt_ids, stop, sampling, on_tokens, planner=planner, record=record)
+
+    @property
+    def lookup(self) -> int:
+        """The longest chain the prompt-lookup drafter is asked for (0: no prompt lookup)."""
+        tree = self.engine.plan.trees.get(LOOKUP_NAME)
+        return tree.max_depth if tree is not None else 0
 
 
 def ssm_names(n: int) -> list[str]:
@@ -50,3 +104,93 @@ def engine_from_models(
         drafters[LOOKUP_NAME] = PromptLookupDrafter(vocab_size=v)
         trees[LOOKUP_NAME] = lookup_tree(lookup)
     return SpeculativeEngine(ModelRunner(llm), drafters, Plan(trees))
+
+
+def from_refs(
+    llm: str, ssms: Sequence[str], tree: TreeConfig, *, dtype: str = "fp32", ssm_dtype: str | None = None,
+    draft_ranking: str | None = None, lookup: int = 0,
+) -> Served:
+    """Models named on the command line (``default``, a directory or a hub id), the SSMs as ssm-1 ..;
+    ``draft_ranking``: the ranking for ``tree.draft_vocab`` > 0 (None: found next to the first SSM)."""
+    ranking = ranking_for(tree.draft_vocab, draft_ranking, ssms)  # before any model loads
+    loaded_llm, loaded = load_llm_and_ssms(llm, list(ssms), dtype, ssm_dtype or dtype)
+    named = dict(zip(ssm_names(len(loaded)), loaded, strict=True))
+    engine = engine_from_models(loaded_llm.model, {n: s.model for n, s in named.items()}, tree, ranking, lookup)
+    return Served(engine, loaded_llm, named, ranking)
+
+
+def load_scheduler(bundle: LoadedBundle) -> Scheduler | None:
+    """The bundle's learned scheduler, checked against its SSMs; None when it has none."""
+    if bundle.scheduler_dir is None or not (bundle.scheduler_dir / SCHEDULER_FILE).is_file():
+        return None
+    scheduler = Scheduler.load(bundle.scheduler_dir / SCHEDULER_FILE)
+    scheduler.check_drafters(bundle.ssm_names)
+    return scheduler
+
+
+def from_bundle(
+    bundle: LoadedBundle, *, use_scheduler: bool = True, tree: TreeConfig | None = None, lookup: int | None = None,
+    ranking: Tensor | None = None,
+) -> Served:
+    """What a bundle serves: its SSMs on its tree, its draft vocabulary, and its learned scheduler
+    (unless ``use_scheduler`` is False) with the drafters it was trained for; else its prompt-lookup
+    default (``export --prompt-lookup``).
+
+    Args:
+        bundle: a loaded bundle.
+        use_scheduler: plan every request with the bundle's learned scheduler, if it has one.
+        tree: the SSMs' tree instead of the bundle's (only where no scheduler decides).
+        lookup: the prompt-lookup chain length instead of the bundle's (only where no scheduler decides).
+        ranking: the draft vocabulary ranking instead of the bundle's.
+    """
+    scheduler = load_scheduler(bundle) if use_scheduler else None
+    if scheduler is not None and (tree is not None or lookup is not None):
+        raise ValueError("the bundle's learned scheduler chooses every request's drafters and trees; pass "
+                         "--no-scheduler to set the tree or prompt lookup yourself")
+    tree = tree or bundle.tree
+    ranking = bundle.ranking if ranking is None else ranking
+    if scheduler is not None:
+        lookup = scheduler.lookup_length
+    elif lookup is None:
+        lookup = bundle.manifest.prompt_lookup
+    draft_vocab = max(tree.draft_vocab, scheduler.draft_vocab if scheduler is not None else 0)
+    if draft_vocab and ranking is None:
+        raise ValueError(f"--draft-vocab {draft_vocab}: this bundle has no token ranking; pass --draft-ranking "
+                         "RUN_DIR (its training run) or re-export it")
+    named = dict(zip(bundle.ssm_names, bundle.ssms, strict=True))
+    engine = engine_from_models(bundle.llm.model, {n: s.model for n, s in named.items()}, tree, ranking, lookup)
+    return Served(engine, bundle.llm, named, ranking, scheduler)
+
+
+def load(
+    *, bundle: str | Path | None = None, llm: str | None = None, ssms: Sequence[str] = (), dtype: str = "fp32",
+    ssm_dtype: str | None = None, tree: TreeConfig | None = None, draft_ranking: str | None = None,
+    lookup: int | None = None, use_scheduler: bool = True,
+) -> Served:
+    """Load and assemble what a command decodes with (`boosttune generate` and `bench`).
+
+    Args:
+        bundle: a bundle (``from_bundle``); None: the models ``llm`` and ``ssms`` name (``from_refs``).
+        llm: with a bundle, where its LLM is (None: as the bundle names it); else the LLM
+            (None: "default").
+        ssms: SSM references (no bundle only).
+        dtype: the LLM's dtype, and the SSMs' unless ``ssm_dtype``.
+        ssm_dtype: the SSMs' dtype (only the LLM's decides the output).
+        tree: the SSMs' tree (None: the bundle's, else ``TreeConfig()``).
+        draft_ranking: the draft vocabulary ranking file or its run directory (None: the bundle's,
+            else found next to the first SSM).
+        lookup: prompt lookup's chain length (None: the bundle's default, else 0 = off).
+        use_scheduler: plan requests with the bundle's learned scheduler, if it has one.
+    """
+    if lookup is not None and lookup < 0:
+        raise ValueError(f"--prompt-lookup must be >= 0 (0 = off), got {lookup}")
+    if bundle is None:
+        return from_refs(llm or "default", ssms, tree or TreeConfig(), dtype=dtype, ssm_dtype=ssm_dtype,
+                         draft_ranking=draft_ranking, lookup=lookup or 0)
+    if ssms:
+        raise ValueError("--ssm cannot be combined with a bundle: the bundle's SSMs are used")
+    loaded = load_bundle(bundle, llm=llm, dtype=dtype, ssm_dtype=ssm_dtype or dtype)
+    ranking = None
+    if draft_ranking is not None:
+        ranking = ranking_for((tree or loaded.tree).draft_vocab, draft_ranking, [])
+    return from_bundle(loaded, use_scheduler=use_scheduler, tree=tree, lookup=lookup, ranking=ranking)

@@ -17,16 +17,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from boosttune.assemble import engine_from_models
-from boosttune.core.models import LoadedModel, eos_token_ids, load_llm_and_ssms, parse_dtype
+from boosttune import assemble
+from boosttune.core.models import LoadedModel, eos_token_ids, parse_dtype
 from boosttune.core.prompts import Prompt, encode_prompt, read_prompts
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
-from boosttune.serving.draft_vocab import find_ranking, ranking_for
+from boosttune.serving.draft_vocab import find_ranking
 from boosttune.serving.engine import GenerationResult
 from boosttune.serving.stops import StopCriteria
 
 METHODS = ("baseline", "hf_assisted", "hf_lookup", "ours")
+DEFAULT_METHODS = ("baseline", "hf_assisted", "ours")
+BUNDLE_METHODS = ("baseline", "ours")
 
 
 @dataclass
@@ -34,62 +36,82 @@ class BenchConfig:
     """What `boosttune bench` runs.
 
     Attributes:
-        llm: LLM reference ("default", a local path or a hub id).
-        ssms: SSM references; the first is also HF assisted generation's assistant.
         questions: JSONL/text file of prompts (MT-bench's question.jsonl: first turns are used).
         out: output directory.
+        llm: LLM reference ("default", a local path or a hub id; None: "default"); with ``bundle``,
+            where the bundle's LLM is (None: as the bundle names it).
+        ssms: SSM references; the first is also HF assisted generation's assistant.
+        bundle: a bundle to bench exactly as `boosttune serve` serves it (its drafters, trees, draft
+            vocabulary and learned scheduler) beside plain decoding; None: ``llm`` and ``ssms``.
+        use_scheduler: with ``bundle``, plan every request with its learned scheduler (if it has one).
         limit: use the first ``limit`` questions (0 = all).
         max_new_tokens: tokens generated per question.
         dtype: dtype of the LLM in every method, and of the SSMs unless ``ssm_dtype`` is set.
         ssm_dtype: dtype of the SSMs (None: ``dtype``). Only the LLM's numerics decide the output,
             so a bf16 SSM under an fp32 LLM stays token-identical to fp32 decoding.
-        tree: the tree each SSM drafts.
-        draft_ranking: the token ranking file (or its run directory) for ``tree.draft_vocab`` > 0;
-            None: found next to the first SSM or in its run directory.
+        tree: the tree each SSM drafts (None: the bundle's, else ``TreeConfig()``).
+        draft_ranking: the token ranking file (or its run directory) for a draft vocabulary > 0;
+            None: the bundle's, or found next to the first SSM or in its run directory.
         chat: apply the LLM's chat template.
         methods: which of baseline, hf_assisted, hf_lookup (HF's prompt lookup decoding, the
-            peer of ``prompt_lookup``), ours to run.
+            peer of ``prompt_lookup``), ours to run (None: baseline, hf_assisted, ours; with a bundle,
+            baseline and ours).
         prompt_lookup: > 0 adds a prompt-lookup drafter (``serving/lookup.py``) proposing up to
-            this many tokens to ours, after the SSMs (0: off).
+            this many tokens to ours, after the SSMs (None: the bundle's default, else 0 = off).
     """
 
-    llm: str
-    ssms: list[str]
     questions: str
     out: str
+    llm: str | None = None
+    ssms: list[str] = field(default_factory=list)
+    bundle: str | None = None
+    use_scheduler: bool = True
     limit: int = 0
     max_new_tokens: int = 128
     dtype: str = "fp32"
     ssm_dtype: str | None = None
-    tree: TreeConfig = field(default_factory=TreeConfig)
+    tree: TreeConfig | None = None
     chat: bool = True
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] | None = None
     draft_ranking: str | None = None
-    prompt_lookup: int = 0
+    prompt_lookup: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.methods is None:
+            self.methods = BUNDLE_METHODS if self.bundle is not None else DEFAULT_METHODS
 
     def validate(self) -> None:
-        if not self.ssms and "hf_assisted" in self.methods:
-            raise ValueError("--ssm is required for the 'hf_assisted' method (its assistant is the first SSM)")
-        if not self.ssms and not self.prompt_lookup and "ours" in self.methods:
-            raise ValueError("the 'ours' method needs a drafter: give --ssm (at least one) or --prompt-lookup N")
-        if self.prompt_lookup < 0:
+        unknown = set(self.methods) - set(METHODS)
+        if unknown:
+            raise ValueError(f"--methods: unknown {sorted(unknown)}; choose from {list(METHODS)}")
+        if self.bundle is not None:
+            if self.ssms:
+                raise ValueError("--ssm cannot be combined with --bundle: the bundle's SSMs are used")
+            peers = sorted(set(self.methods) - set(BUNDLE_METHODS))
+            if peers:
+                raise ValueError(f"--methods {peers}: with --bundle, bench runs what the bundle serves (ours) "
+                                 "beside plain decoding (baseline); HF's peers take --llm/--ssm")
+        else:
+            lookup = self.prompt_lookup or 0
+            if not self.ssms and "hf_assisted" in self.methods:
+                raise ValueError("--ssm is required for the 'hf_assisted' method (its assistant is the first SSM)")
+            if not self.ssms and not lookup and "ours" in self.methods:
+                raise ValueError("the 'ours' method needs a drafter: give --ssm (at least one) or --prompt-lookup N")
+            if "hf_lookup" in self.methods and not lookup:
+                raise ValueError("the 'hf_lookup' method needs --prompt-lookup N (its draft length)")
+            if (self.tree or TreeConfig()).draft_vocab:
+                find_ranking(self.draft_ranking, self.ssms)
+        if self.prompt_lookup is not None and self.prompt_lookup < 0:
             raise ValueError(f"--prompt-lookup must be >= 0 (0 = off), got {self.prompt_lookup}")
-        if "hf_lookup" in self.methods and not self.prompt_lookup:
-            raise ValueError("the 'hf_lookup' method needs --prompt-lookup N (its draft length)")
         if not Path(self.questions).is_file():
             raise ValueError(f"--questions: no such file: {self.questions}")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.limit < 0:
             raise ValueError(f"--limit must be >= 0, got {self.limit}")
-        unknown = set(self.methods) - set(METHODS)
-        if unknown:
-            raise ValueError(f"--methods: unknown {sorted(unknown)}; choose from {list(METHODS)}")
         parse_dtype(self.dtype)
         if self.ssm_dtype is not None:
             parse_dtype(self.ssm_dtype)
-        if self.tree.draft_vocab:
-            find_ranking(self.draft_ranking, self.ssms)
 
 
 def _hf_generate(llm: LoadedModel, ids: list[int], stop: StopCriteria, **assist) -> GenerationResult:
@@ -123,27 +145,26 @@ def _mean(xs: list[float]) -> float:
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     """Runs the benchmark, writes DIR/*.jsonl and DIR/summary.json, returns the summary."""
     cfg.validate()
-    dtype = parse_dtype(cfg.dtype)
     prompts = read_prompts(cfg.questions)
     if cfg.limit:
         prompts = prompts[: cfg.limit]
     if not prompts:
         raise ValueError(f"--questions: no prompts found in {cfg.questions}")
-    ranking = ranking_for(cfg.tree.draft_vocab, cfg.draft_ranking, cfg.ssms)
-    llm, ssms = load_llm_and_ssms(cfg.llm, cfg.ssms, dtype, parse_dtype(cfg.ssm_dtype or cfg.dtype))
+    served = assemble.load(
+        bundle=cfg.bundle, llm=cfg.llm, ssms=cfg.ssms, dtype=cfg.dtype, ssm_dtype=cfg.ssm_dtype, tree=cfg.tree,
+        draft_ranking=cfg.draft_ranking, lookup=cfg.prompt_lookup, use_scheduler=cfg.use_scheduler,
+    )
+    llm, ssms = served.llm, list(served.ssms.values())
     tok = llm.tokenizer
     eos = eos_token_ids(llm)
     stop = StopCriteria(max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos)
-    engine = engine_from_models(
-        llm.model, [s.model for s in ssms], cfg.tree, ranking=ranking, lookup=cfg.prompt_lookup
-    )
 
     def runners(stop: StopCriteria) -> dict[str, Callable[[list[int]], GenerationResult]]:
         return {
             "baseline": lambda ids: incremental_generate(llm.model, ids, stop),
             "hf_assisted": lambda ids: _hf_generate(llm, ids, stop, assistant_model=ssms[0].model),
-            "hf_lookup": lambda ids: _hf_generate(llm, ids, stop, prompt_lookup_num_tokens=cfg.prompt_lookup),
-            "ours": lambda ids: engine.generate(ids, stop),
+            "hf_lookup": lambda ids: _hf_generate(llm, ids, stop, prompt_lookup_num_tokens=served.lookup),
+            "ours": lambda ids: served.generate(ids, stop, chat=cfg.chat),
         }
 
     methods = [m for m in METHODS if m in cfg.methods]
@@ -168,12 +189,12 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     finally:
         for f in files.values():
             f.close()
-    summary = summarize(results, cfg)
+    summary = summarize(results, cfg, served)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
-def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig) -> dict:
+def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, served: assemble.Served) -> dict:
     """Spec-Bench style totals: tokens/s is the mean over questions of new tokens / wall time."""
     def tps(m: str) -> float:
         return _mean([len(r.tokens) / r.wall_time for r in results.get(m, [])])
@@ -193,12 +214,15 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig) -> d
         "hf_assisted_identical": sum(a.tokens == b.tokens for a, b in zip(hf, base, strict=True)) if base and hf else None,
         "hf_lookup_tokens_per_s": tps("hf_lookup"),
         "hf_lookup_identical": sum(a.tokens == b.tokens for a, b in zip(hfl, base, strict=True)) if base and hfl else None,
-        "prompt_lookup": cfg.prompt_lookup,
+        "prompt_lookup": served.lookup,
         "dtype": cfg.dtype,
         "ssm_dtype": cfg.ssm_dtype or cfg.dtype,
-        "llm": cfg.llm,
-        "ssms": cfg.ssms,
-        "tree": asdict(cfg.tree),
+        "llm": served.llm.ref,
+        "ssms": list(served.ssms) if cfg.bundle is not None else cfg.ssms,
+        "bundle": cfg.bundle,
+        "scheduler": served.scheduler is not None,
+        "tree": asdict(next((served.engine.plan.trees[n] for n in served.ssms), cfg.tree or TreeConfig())),
+        "plan": {name: asdict(tree) for name, tree in served.engine.plan.trees.items()},
         "max_new_tokens": cfg.max_new_tokens,
         "mean_new_tokens": _mean([len(r.tokens) for r in ours or base]),
         "threads": torch.get_num_threads(),

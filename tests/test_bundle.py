@@ -276,7 +276,7 @@ def test_bundle_default_prompt_lookup_serves_without_a_scheduler(tmp_path):
     assert b.manifest.prompt_lookup == 4
     state = create_app(b, ServerConfig(model_name="m", torch_threads=1, warmup=False)).state.boosttune
     assert state.scheduler is None and state.drafter_names == ["ssm-1", "prompt-lookup"]
-    engine = state.worker.engine
+    engine = state.served.engine
     assert isinstance(engine.drafters[LOOKUP_NAME], PromptLookupDrafter) and engine.plan.trees[LOOKUP_NAME].max_depth == 4
     ids = b.llm.tokenizer("the cat sat on the mat and the cat sat on the")["input_ids"]
     stop = StopCriteria(max_new_tokens=16)

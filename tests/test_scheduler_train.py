@@ -139,7 +139,7 @@ def test_server_uses_the_exported_scheduler_and_stays_lossless(run_dir, tmp_path
     assert app.state.boosttune.scheduler is not None
     # the scheduler chooses among the SSMs and prompt lookup: the engine is built with all three
     assert app.state.boosttune.drafter_names == ["ssm-1", "ssm-2", "prompt-lookup"]
-    assert len(app.state.boosttune.worker.engine.drafters) == 3
+    assert len(app.state.boosttune.served.engine.drafters) == 3
     with ServerThread(app) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         r = client.completions.create(model="m", prompt="Name three colours.", max_tokens=10, temperature=0,
@@ -151,3 +151,50 @@ def test_server_uses_the_exported_scheduler_and_stays_lossless(run_dir, tmp_path
     assert stats["token_ids"] == plain.tokens
     assert bundle.ranking is not None and app.state.boosttune.scheduler.draft_vocab == 40
     assert set(stats["ssms"]) <= {"ssm-1", "ssm-2", "prompt-lookup"}  # what the scheduler chose (possibly none)
+
+
+@pytest.mark.parametrize("no_scheduler", [False, True])
+def test_generate_serve_and_bench_assemble_the_same_engine_from_one_bundle(run_dir, tmp_path, monkeypatch,
+                                                                          no_scheduler):
+    """One bundle, three commands, one assembly: the same drafters, default trees, draft vocabulary
+    and learned scheduler (`generate BUNDLE` used to leave the scheduler and its prompt lookup out)."""
+    import torch
+    import uvicorn
+
+    from boosttune import assemble
+    from boosttune.export import export_bundle
+    from boosttune.serving.lookup import LOOKUP_NAME
+
+    assert (run_dir / "scheduler" / "scheduler.json").is_file()  # written by the first test
+    for k in (1, 2):  # export carries each SSM's training statistics
+        (run_dir / "ssms" / f"ssm-{k}" / "stats.json").write_text(json.dumps({"stage": k}))
+    bundle = str(export_bundle(run_dir, tmp_path / "bundle", prompt_lookup=4).bundle)
+    built = []
+    from_bundle = assemble.from_bundle
+
+    def spy(*args, **kwargs):
+        built.append(from_bundle(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(assemble, "from_bundle", spy)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)  # serve assembles, then would listen
+    extra = ["--no-scheduler"] if no_scheduler else []
+    assert main(["generate", bundle, "Name three colours.", "--max-new-tokens", "2", *extra]) == 0
+    assert main(["serve", bundle, "--port", "0", *extra]) == 0
+    assert main(["bench", "--bundle", bundle, "--questions", str(MT_BENCH), "--limit", "1", "--max-new-tokens", "2",
+                 "--out", str(tmp_path / "bench"), *extra]) == 0
+    generate, serve, bench = built
+    for other in (serve, bench):
+        assert list(other.engine.drafters) == list(generate.engine.drafters)
+        assert other.engine.plan == generate.engine.plan
+        assert torch.equal(other.ranking, generate.ranking)
+        assert (other.scheduler is None) == (generate.scheduler is None)
+        if other.scheduler is not None:
+            assert other.scheduler.to_json() == generate.scheduler.to_json()
+    if no_scheduler:  # every SSM, and the bundle's prompt-lookup default
+        assert generate.scheduler is None and generate.lookup == 4
+    else:  # the drafters the scheduler chooses among: both SSMs and prompt lookup at the label depth
+        assert generate.scheduler is not None and generate.lookup == generate.scheduler.lookup_length == 2
+    assert list(generate.engine.drafters) == ["ssm-1", "ssm-2", LOOKUP_NAME]
+    summary = json.loads((tmp_path / "bench" / "summary.json").read_text())
+    assert summary["scheduler"] == (not no_scheduler) and summary["greedy_identical"] == 1

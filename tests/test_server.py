@@ -320,7 +320,7 @@ class _FakeEngine:
         self.delay = delay
         self.started = threading.Event()
 
-    def generate(self, prompt_ids, stop, sampling, on_tokens):
+    def generate(self, prompt_ids, stop, sampling, on_tokens, chat=True):
         if prompt_ids[0] == -1:
             raise RuntimeError("boom")
         self.started.set()

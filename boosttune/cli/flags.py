@@ -1,10 +1,21 @@
-"""Flags shared by the commands that decode: the models, their dtypes, the tree and the drafters."""
+"""Flags shared by the commands that decode (generate, bench): a bundle or models, dtypes, the tree, the drafters.
+
+Tree and prompt-lookup flags default to None: unset, they take a bundle's defaults (or the tree
+config's ``TreeConfig()`` without a bundle), so the same bundle decodes with the same drafters in
+`generate`, `bench` and `serve` (``boosttune/assemble.py``).
+"""
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from boosttune.serving.builders import TREE_POLICIES, TreeConfig
+
+if TYPE_CHECKING:  # the assembly loads transformers: only when a command runs
+    from boosttune.assemble import Served
+
+_TREE_FLAGS = ("tree", "widths", "topk", "depth", "budget", "min_prob", "draft_vocab")
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -17,29 +28,45 @@ def int_list(text: str) -> tuple[int, ...]:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """--llm, --ssm, the dtypes, the tree flags, --draft-vocab/--draft-ranking and --prompt-lookup."""
-    p.add_argument("--llm", default="default", help="LLM: 'default' (SmolLM2-135M-Instruct), a local path or a hub id")
+    default = TreeConfig()
+    p.add_argument("--llm", default=None,
+                   help="LLM: 'default' (SmolLM2-135M-Instruct, the default), a local path or a hub id; with a "
+                        "bundle, where its LLM is (its hash is still checked)")
     p.add_argument("--ssm", action="append", default=[], metavar="SSM",
                    help="an SSM (path or hub id); repeat for several; 'default' uses the LLM itself as SSM")
     p.add_argument("--dtype", default="fp32", help="fp32 or bf16 for the LLM, and the SSMs unless --ssm-dtype (default fp32)")
     p.add_argument("--ssm-dtype", default=None, help="dtype of the SSMs (default: --dtype); the output depends only on the LLM's")
-    p.add_argument("--tree", default="expansion", choices=sorted(TREE_POLICIES), help="tree policy")
-    p.add_argument("--widths", type=int_list, default=TreeConfig().widths,
-                   help=f"expansion: children per node at each depth (default {','.join(map(str, TreeConfig().widths))}, "
+    p.add_argument("--tree", default=None, choices=sorted(TREE_POLICIES), help=f"tree policy (default {default.kind})")
+    p.add_argument("--widths", type=int_list, default=None,
+                   help=f"expansion: children per node at each depth (default {','.join(map(str, default.widths))}, "
                         "SpecInfer's)")
-    p.add_argument("--topk", type=int, default=TreeConfig().topk, help="dynamic: frontier and children per depth")
-    p.add_argument("--depth", type=int, default=TreeConfig().depth, help="dynamic: draft depth")
-    p.add_argument("--budget", type=int, default=TreeConfig().budget, help="dynamic: nodes kept (greedy)")
-    p.add_argument("--min-prob", type=float, default=TreeConfig().min_prob,
-                   help="stop expanding branches whose cumulative draft probability is below this (0 = never)")
-    p.add_argument("--draft-vocab", type=int, default=TreeConfig().draft_vocab, metavar="K",
+    p.add_argument("--topk", type=int, default=None, help=f"dynamic: frontier and children per depth (default {default.topk})")
+    p.add_argument("--depth", type=int, default=None, help=f"dynamic: draft depth (default {default.depth})")
+    p.add_argument("--budget", type=int, default=None, help=f"dynamic: nodes kept, greedy (default {default.budget})")
+    p.add_argument("--min-prob", type=float, default=None,
+                   help="stop expanding branches whose cumulative draft probability is below this (default 0 = never)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="K",
                    help="SSMs draft over the K tokens the LLM writes most: K rows of their LM head instead of "
-                        "all (cheaper drafts, still lossless); 0 = the whole vocabulary")
+                        "all (cheaper drafts, still lossless); 0 = the whole vocabulary (the default)")
     p.add_argument("--draft-ranking", default=None, metavar="PATH",
                    help="the token ranking for --draft-vocab (draft_vocab.json or its run directory; default: "
-                        "found next to the first --ssm or in its run directory)")
-    p.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                        "the bundle's, or found next to the first --ssm or in its run directory)")
+    p.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
                    help="also draft up to N tokens copied from where the newest 1-3 tokens occurred before in "
-                        "the prompt or the answer (prompt lookup; free to draft); 0 = off")
+                        "the prompt or the answer (prompt lookup; free to draft); 0 = off (the default without a "
+                        "bundle)")
+
+
+def add_bundle_args(p: argparse.ArgumentParser, positional: bool) -> None:
+    """The bundle to decode with (as `boosttune serve` would serve it) and --no-scheduler."""
+    text = "a bundle from `boosttune export`, assembled as `boosttune serve` serves it; omit it to name --llm/--ssm"
+    if positional:
+        p.add_argument("bundle", nargs="?", default=None, help=text)
+    else:
+        p.add_argument("--bundle", default=None, metavar="BUNDLE", help=text)
+    p.add_argument("--no-scheduler", action="store_true",
+                   help="ignore the bundle's learned scheduler: every request drafts with all its SSMs (and prompt "
+                        "lookup if it was exported with --prompt-lookup); needed to set tree or lookup flags")
 
 
 def tree_from_args(args: argparse.Namespace, base: TreeConfig | None = None) -> TreeConfig:
@@ -57,4 +84,28 @@ def tree_from_args(args: argparse.Namespace, base: TreeConfig | None = None) -> 
 
 def ssm_refs(args: argparse.Namespace) -> list[str]:
     """The --ssm references, 'default' meaning the LLM itself."""
-    return [args.llm if s == "default" else s for s in args.ssm]
+    return [(args.llm or "default") if s == "default" else s for s in args.ssm]
+
+
+def tree_override(args: argparse.Namespace) -> TreeConfig | None:
+    """The tree the tree flags ask for (unset flags: the bundle's value, else ``TreeConfig()``'s);
+    None when no tree flag is set."""
+    if all(getattr(args, flag) is None for flag in _TREE_FLAGS):
+        return None
+    base = None
+    if getattr(args, "bundle", None) is not None:
+        from boosttune.serving.bundle import read_manifest
+
+        base = read_manifest(args.bundle).tree
+    return tree_from_args(args, base)
+
+
+def assemble_from_args(args: argparse.Namespace) -> Served:
+    """The engine the flags ask for (``assemble.load``): a bundle's or the named models'."""
+    from boosttune import assemble
+
+    return assemble.load(
+        bundle=getattr(args, "bundle", None), llm=args.llm, ssms=ssm_refs(args), dtype=args.dtype,
+        ssm_dtype=args.ssm_dtype, tree=tree_override(args), draft_ranking=args.draft_ranking,
+        lookup=args.prompt_lookup, use_scheduler=not getattr(args, "no_scheduler", False),
+    )

@@ -34,7 +34,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from boosttune.assemble import engine_from_models
+from boosttune import assemble
 from boosttune.serving.bundle import LoadedBundle
 from boosttune.serving.engine import GenerationResult
 from boosttune.serving.http.metrics import RequestMetricsMiddleware, ServerMetrics
@@ -82,6 +82,8 @@ class ServerConfig:
         torch_threads: intra-op threads of the engine (None: torch's default). On a CPU shared
             with other jobs, 1 avoids OpenMP threads waiting for each other (measured here under
             load: 0.25 s vs 1.1-16 s for 16 tokens of a tiny model).
+        use_scheduler: plan every request with the bundle's learned scheduler, if it has one (False:
+            every request drafts with all SSMs and the bundle's prompt-lookup default).
     """
 
     model_name: str | None = None
@@ -100,18 +102,6 @@ class ServerConfig:
             raise ValueError(f"server torch_threads must be >= 1 (or None), got {self.torch_threads}")
         if self.model_name is not None and not self.model_name.strip():
             raise ValueError("server model_name must not be empty (omit it to use the bundle's directory name)")
-
-
-def load_scheduler(bundle: LoadedBundle):
-    """The bundle's learned scheduler, or None when it has none (every request uses all SSMs)."""
-    if bundle.scheduler_dir is None or not (bundle.scheduler_dir / "scheduler.json").is_file():
-        return None
-    from boosttune.scheduler.policy import Scheduler
-
-    sched = Scheduler.load(bundle.scheduler_dir / "scheduler.json")
-    sched.check_drafters(bundle.ssm_names)
-    log.info("learned scheduler loaded from %s", bundle.scheduler_dir)
-    return sched
 
 
 class _State:
@@ -135,16 +125,15 @@ class _State:
             name=self.model_name, context_length=bundle.context_length,
             vocab_size=model_vocab_size(bundle.llm.model), default_max_tokens=config.default_max_tokens,
         )
-        self.scheduler = load_scheduler(bundle) if config.use_scheduler else None
-        # a scheduler trained with prompt lookup chooses among the SSMs and a prompt-lookup drafter;
-        # without a scheduler the bundle's default (export --prompt-lookup) applies
-        lookup = self.scheduler.lookup_length if self.scheduler is not None else bundle.manifest.prompt_lookup
-        ssms = {name: s.model for name, s in zip(bundle.ssm_names, bundle.ssms, strict=True)}
-        engine = engine_from_models(bundle.llm.model, ssms, bundle.tree, ranking=bundle.ranking, lookup=lookup)
-        self.lookup = lookup
-        self.drafter_names = list(engine.drafters)
-        self.worker = EngineWorker(engine, config.max_queue, on_finished=self._on_finished,
-                                   threads=config.torch_threads, scheduler=self.scheduler)
+        # what `boosttune generate` and `bench` assemble from the same bundle (boosttune/assemble.py)
+        self.served = assemble.from_bundle(bundle, use_scheduler=config.use_scheduler)
+        self.scheduler = self.served.scheduler
+        if self.scheduler is not None:
+            log.info("learned scheduler loaded from %s", bundle.scheduler_dir)
+        self.lookup = self.served.lookup
+        self.drafter_names = list(self.served.engine.drafters)
+        self.worker = EngineWorker(self.served, config.max_queue, on_finished=self._on_finished,
+                                   threads=config.torch_threads)
         self.metrics = ServerMetrics(queue_depth=lambda: self.worker.queue_depth)
 
     def _on_finished(self, job: Job, event: Event) -> None:

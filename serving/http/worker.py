@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from boosttune.serving.engine import GenerationResult, SpeculativeEngine
+from boosttune.assemble import Served
+from boosttune.serving.engine import GenerationResult
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
 
@@ -89,15 +90,12 @@ class _Cancelled(Exception):
 class EngineWorker:
     """Runs jobs one at a time on a dedicated thread, in arrival order."""
 
-    def __init__(self, engine: SpeculativeEngine, max_queue: int = 64,
-                 on_finished: Callable[[Job, Event], None] | None = None, threads: int | None = None,
-                 scheduler=None):
-        """``on_finished(job, final_event)`` runs on the worker thread after each job (metrics);
-        ``threads``: torch intra-op threads of the worker (None: torch's default); ``scheduler``:
-        a learned ``boosttune.scheduler.policy.Scheduler`` choosing each request's SSMs and tree
-        (None: every request drafts with all SSMs)."""
-        self.engine = engine
-        self.scheduler = scheduler
+    def __init__(self, served: Served, max_queue: int = 64,
+                 on_finished: Callable[[Job, Event], None] | None = None, threads: int | None = None):
+        """``served``: the assembled engine (``boosttune/assemble.py``; its scheduler, if any, plans
+        every request); ``on_finished(job, final_event)`` runs on the worker thread after each job
+        (metrics); ``threads``: torch intra-op threads of the worker (None: torch's default)."""
+        self.served = served
         self.threads = threads
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._on_finished = on_finished
@@ -158,7 +156,7 @@ class EngineWorker:
             torch.set_num_threads(self.threads)
         if self._warmup_ids:
             try:
-                self.engine.generate(self._warmup_ids, StopCriteria(max_new_tokens=4))
+                self.served.generate(self._warmup_ids, StopCriteria(max_new_tokens=4))
             except Exception:
                 log.exception("engine warm-up failed")
         while True:
@@ -183,8 +181,7 @@ class EngineWorker:
             job.deliver(TokensEvent(list(tokens)))
 
         try:
-            extra = {} if self.scheduler is None else {"planner": self.scheduler.planner(job.prompt_ids, job.chat)}
-            result = self.engine.generate(job.prompt_ids, job.stop, job.sampling, on_tokens, **extra)
+            result = self.served.generate(job.prompt_ids, job.stop, job.sampling, on_tokens, chat=job.chat)
         except _Cancelled:
             return CancelledEvent()
         except Exception as e:  # one bad request must not stop the worker
