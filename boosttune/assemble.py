@@ -23,6 +23,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from boosttune.core.models import LoadedModel, load_llm_and_ssms
+from boosttune.core.rundir import SCHEDULER_FILE
 from boosttune.scheduler.policy import Scheduler
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.bundle import LoadedBundle, load_bundle
@@ -33,9 +34,6 @@ from boosttune.serving.lookup import LOOKUP_NAME, PromptLookupDrafter, lookup_tr
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
-
-SCHEDULER_FILE = "scheduler.json"
-"""The learned scheduler's file in a bundle's (and a run's) scheduler directory."""
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """`boosttune export RUN_DIR --out BUNDLE`: a training run's servable parts as one bundle.
 
-The bundle format (manifest fields, layout, what loading checks) is documented in
-``serving/bundle.py``. Export copies the SSMs' safetensors weights, configs and statistics, writes
+The bundle's layout and what loading checks are documented in ``serving/bundle.py``; its manifest is a
+``serving/manifest.py`` ``Manifest``, written by ``Manifest.write`` (the same class parses it back). Export copies the SSMs' safetensors weights, configs and statistics, writes
 the LLM's tokenizer once, copies the run's scheduler directory file for file, pins the LLM by a
 content hash and lists a sha256 for every file. It writes into a temporary sibling directory and
 renames it into place at the end, so an interrupted export never leaves a half bundle at ``--out``.
@@ -18,17 +18,19 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from boosttune.core.files import atomic_write_json, sha256_file
+from boosttune.core.files import sha256_file
 from boosttune.core.rundir import RunDir
 from boosttune.serving.builders import TreeConfig
-from boosttune.serving.bundle import (
+from boosttune.serving.bundle import llm_content_hash
+from boosttune.serving.manifest import (
     BUNDLE_FORMAT,
-    BUNDLE_KIND,
-    MANIFEST,
     SCHEDULER_DIR,
     TOKENIZER_DIR,
     BundleError,
-    llm_content_hash,
+    FileEntry,
+    LLMEntry,
+    Manifest,
+    SSMEntry,
 )
 
 # Per-SSM files carried besides the weights; anything else in an SSM directory (tokenizer files,
@@ -43,7 +45,7 @@ class ExportResult:
     """What export wrote: the bundle directory, its manifest, and its size in bytes."""
 
     bundle: Path
-    manifest: dict
+    manifest: Manifest
     total_bytes: int
 
 
@@ -115,9 +117,9 @@ def _copy_scheduler(src: Path, dest: Path) -> list[str]:
     return names
 
 
-def _file_table(root: Path) -> dict[str, dict]:
+def _file_table(root: Path) -> dict[str, FileEntry]:
     return {
-        p.relative_to(root).as_posix(): {"sha256": sha256_file(p), "size": p.stat().st_size}
+        p.relative_to(root).as_posix(): FileEntry(sha256_file(p), p.stat().st_size)
         for p in sorted(root.rglob("*")) if p.is_file()
     }
 
@@ -177,40 +179,36 @@ def export_bundle(
         ssms = []
         for src in ssm_dirs:
             stage = stages.get(str(src), {})
-            name = src.name
-            rel = f"ssms/{name}"
+            rel = f"ssms/{src.name}"
             weights, profile = _copy_ssm(src, tmp / rel, vocab)
-            ssms.append({
-                "name": name, "stage": int(stage.get("stage", len(ssms) + 1)), "dir": rel,
-                "config": f"{rel}/config.json", "weights": [f"{rel}/{w}" for w in weights],
-                "stats": f"{rel}/{_STATS}", "acceptance_profile": f"{rel}/{profile}" if profile else None,
-                "report": stage,
-            })
+            ssms.append(SSMEntry(
+                name=src.name, stage=int(stage.get("stage", len(ssms) + 1)), dir=rel, config=f"{rel}/config.json",
+                weights=[f"{rel}/{w}" for w in weights], stats=f"{rel}/{_STATS}",
+                acceptance_profile=f"{rel}/{profile}" if profile else None, report=stage,
+            ))
         if ranking is not None:
             shutil.copyfile(ranking, tmp / ranking.name)
-        scheduler = None
+        scheduler_files: list[str] = []
         if run.scheduler_dir.is_dir():
-            files = _copy_scheduler(run.scheduler_dir, tmp / SCHEDULER_DIR)
-            scheduler = {"dir": SCHEDULER_DIR, "files": [f"{SCHEDULER_DIR}/{f}" for f in files]}
+            scheduler_files = [f"{SCHEDULER_DIR}/{f}" for f in _copy_scheduler(run.scheduler_dir, tmp / SCHEDULER_DIR)]
         llm = report["llm"]
-        manifest = {
-            "format": BUNDLE_FORMAT,
-            "kind": BUNDLE_KIND,
-            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "source_run": str(run.root.resolve()),
-            "versions": _versions(),
-            "llm": {"ref": llm["ref"], "path": str(llm_dir.resolve()), "dtype": str(llm.get("dtype", "fp32")),
-                    "sha256": llm_hash, "files": llm_file_hashes},
-            "tokenizer": TOKENIZER_DIR,
-            "ssms": ssms,
-            "scheduler": scheduler,
-            "draft_vocab": ranking.name if ranking is not None else None,
-            "prompt_lookup": int(prompt_lookup),
-            "tree": {"kind": tree.kind, "widths": list(tree.widths), "topk": tree.topk, "depth": tree.depth,
-                     "budget": tree.budget, "min_prob": tree.min_prob, "draft_vocab": tree.draft_vocab},
-            "files": _file_table(tmp),
-        }
-        atomic_write_json(tmp / MANIFEST, manifest)  # last: a bundle without it is refused
+        manifest = Manifest(
+            format=BUNDLE_FORMAT,
+            created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            source_run=str(run.root.resolve()),
+            versions=_versions(),
+            llm=LLMEntry(ref=llm["ref"], path=str(llm_dir.resolve()), dtype=str(llm.get("dtype", "fp32")),
+                         sha256=llm_hash, files=llm_file_hashes),
+            tokenizer=TOKENIZER_DIR,
+            ssms=ssms,
+            scheduler_dir=SCHEDULER_DIR if run.scheduler_dir.is_dir() else None,
+            scheduler_files=scheduler_files,
+            tree=tree,
+            files=_file_table(tmp),
+            draft_vocab=ranking.name if ranking is not None else None,
+            prompt_lookup=int(prompt_lookup),
+        )
+        manifest.write(tmp)  # last: a bundle without it is refused
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

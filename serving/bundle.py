@@ -9,22 +9,8 @@ A bundle is written by ``boosttune export`` (``boosttune/export.py``) from a tra
       scheduler/                    the run's learned scheduler, copied file for file (optional)
       draft_vocab.json              the draft vocabulary ranking (serving/draft_vocab.py; optional)
 
-``manifest.json`` (format 1)::
-
-    {"format": 1, "kind": "boosttune-bundle", "created": ISO time, "source_run": str,
-     "versions": {"boosttune": str, "torch": str, "transformers": str, "python": str},
-     "llm": {"ref": str, "path": str, "dtype": str, "sha256": str, "files": {name: sha256}},
-     "tokenizer": "tokenizer",
-     "ssms": [{"name": "ssm-K", "stage": K, "dir": "ssms/ssm-K", "config": path, "weights": [path],
-               "stats": path, "acceptance_profile": path | null, "report": {the run's stage entry}}],
-     "scheduler": {"dir": "scheduler", "files": [path]} | null,
-     "draft_vocab": "draft_vocab.json" | null,   (absent in older bundles: null)
-     "prompt_lookup": int,                        (prompt-lookup chain length, 0 = off; absent: 0)
-     "tree": {TreeConfig fields},
-     "files": {path: {"sha256": str, "size": int}}}
-
-Every path is relative to the bundle, and every file of the bundle other than the manifest is
-listed under ``files``. The LLM is not copied: it is named (``ref``: "default", "tiny-random", a hub
+``manifest.json`` (its schema and its one owner: ``manifest.py``) lists every other file with its size
+and sha256. The LLM is not copied: it is named (``ref``: "default", "tiny-random", a hub
 id or a path; ``path``: where export found it) and pinned by a content hash over its config and
 safetensors weight files (:func:`llm_content_hash`).
 
@@ -40,27 +26,19 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from boosttune.core.files import sha256_file
 from boosttune.serving.builders import TreeConfig
+from boosttune.serving.manifest import MANIFEST, BundleError, Manifest, read_manifest
 
-MANIFEST = "manifest.json"
-BUNDLE_FORMAT = 1
-BUNDLE_KIND = "boosttune-bundle"
-TOKENIZER_DIR = "tokenizer"
-SCHEDULER_DIR = "scheduler"
 # LLM files that define its outputs: hashed at export, checked at load. Tokenizer files are not
 # among them because the bundle carries its own copy of the tokenizer.
 _LLM_CONFIG_FILES = ("config.json", "generation_config.json")
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
-
-
-class BundleError(ValueError):
-    """A bundle (or the LLM it names) that cannot be served as it is; the message names the file."""
 
 
 def llm_files(llm_dir: Path) -> list[str]:
@@ -89,212 +67,6 @@ def llm_content_hash(llm_dir: Path) -> tuple[str, dict[str, str]]:
     """The LLM's content hash and the sha256 of each file it covers (see :func:`llm_files`)."""
     per_file = {name: sha256_file(llm_dir / name) for name in llm_files(llm_dir)}
     return combine_hashes(per_file), per_file
-
-
-# --------------------------------------------------------------------------------------------
-# Manifest: typed view, parsed with errors that name the field.
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    """One bundle file: its sha256 (hex) and size in bytes."""
-
-    sha256: str
-    size: int
-
-
-@dataclass(frozen=True)
-class LLMEntry:
-    """The LLM the bundle was exported against.
-
-    Attributes:
-        ref: how the run named it ("default", "tiny-random", a hub id or a path).
-        path: the directory export found it in (used when ``ref`` does not resolve here).
-        dtype: the dtype the run used (informational; serving picks its own).
-        sha256: content hash over ``files`` (:func:`combine_hashes`).
-        files: sha256 of each hashed LLM file, by file name.
-    """
-
-    ref: str
-    path: str
-    dtype: str
-    sha256: str
-    files: dict[str, str]
-
-
-@dataclass(frozen=True)
-class SSMEntry:
-    """One SSM of the bundle; paths are relative to the bundle.
-
-    Attributes:
-        name: "ssm-K".
-        stage: the boost-tuning stage that trained it.
-        dir: its directory (config + weights; loaded with ``from_pretrained``).
-        config: its config.json.
-        weights: its safetensors files (and index, when sharded).
-        stats: its training stats (JSON).
-        acceptance_profile: its acceptance statistics (JSON) or None when training wrote none.
-        report: the run report's entry for its stage (pool sizes, match rates, losses).
-    """
-
-    name: str
-    stage: int
-    dir: str
-    config: str
-    weights: list[str]
-    stats: str
-    acceptance_profile: str | None
-    report: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """A parsed manifest.json (format 1); see the module docstring for the JSON."""
-
-    format: int
-    created: str
-    source_run: str
-    versions: dict[str, str]
-    llm: LLMEntry
-    tokenizer: str
-    ssms: list[SSMEntry]
-    scheduler_dir: str | None
-    scheduler_files: list[str]
-    tree: TreeConfig
-    files: dict[str, FileEntry]
-    draft_vocab: str | None = None
-    prompt_lookup: int = 0
-
-
-def _where(path: str) -> str:
-    return f"{MANIFEST}: field '{path}'"
-
-
-def _field(obj: dict, key: str, kind: type | tuple[type, ...], path: str, optional: bool = False) -> Any:
-    """``obj[key]`` checked against ``kind`` (bools are not ints); ``path`` names it in errors."""
-    where = f"{path}.{key}" if path else key
-    if key not in obj:
-        if optional:
-            return None
-        raise BundleError(f"{_where(where)} is missing; the bundle is damaged or not a boosttune bundle (re-export it)")
-    value = obj[key]
-    if value is None and optional:
-        return None
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        names = " or ".join(k.__name__ for k in kinds)
-        raise BundleError(f"{_where(where)} must be {names}, got {type(value).__name__}; re-export the bundle")
-    return value
-
-
-def _rel_path(value: Any, where: str) -> str:
-    """A bundle-relative POSIX path that cannot leave the bundle."""
-    if not isinstance(value, str) or not value:
-        raise BundleError(f"{_where(where)} must be a non-empty relative path, got {value!r}")
-    pure = PurePosixPath(value)
-    if pure.is_absolute() or "\\" in value or any(part in ("..", ".", "") for part in value.split("/")):
-        raise BundleError(f"{_where(where)}: path {value!r} is not a plain relative path inside the bundle")
-    return value
-
-
-def parse_manifest(data: Any) -> Manifest:
-    """Check the manifest's JSON object field by field and return its typed view."""
-    if not isinstance(data, dict):
-        raise BundleError(f"{MANIFEST} must hold a JSON object, got {type(data).__name__}")
-    if data.get("kind", BUNDLE_KIND) != BUNDLE_KIND:
-        raise BundleError(f"{MANIFEST}: kind {data.get('kind')!r} is not {BUNDLE_KIND!r}; not a boosttune bundle")
-    fmt = data.get("format")
-    if fmt != BUNDLE_FORMAT or isinstance(fmt, bool):
-        raise BundleError(
-            f"{MANIFEST}: unsupported bundle format {fmt!r}; this boosttune reads format {BUNDLE_FORMAT}. "
-            "Re-export the run with this boosttune version, or serve it with the version that wrote it"
-        )
-    files_raw = _field(data, "files", dict, "")
-    files: dict[str, FileEntry] = {}
-    for name, entry in files_raw.items():
-        rel = _rel_path(name, f"files[{name!r}]")
-        if rel == MANIFEST:
-            raise BundleError(f"{_where('files')} lists {MANIFEST} itself; re-export the bundle")
-        where = f"files[{name!r}]"
-        if not isinstance(entry, dict):
-            raise BundleError(f"{_where(where)} must be an object with sha256 and size")
-        sha = _field(entry, "sha256", str, where)
-        size = _field(entry, "size", int, where)
-        if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha) or size < 0:
-            raise BundleError(f"{_where(where)}: sha256 must be 64 lowercase hex digits and size >= 0")
-        files[rel] = FileEntry(sha, size)
-
-    llm_raw = _field(data, "llm", dict, "")
-    llm_files_raw = _field(llm_raw, "files", dict, "llm")
-    if not llm_files_raw or not all(isinstance(v, str) for v in llm_files_raw.values()):
-        raise BundleError(f"{_where('llm.files')} must map LLM file names to sha256 strings")
-    llm = LLMEntry(
-        ref=_field(llm_raw, "ref", str, "llm"), path=_field(llm_raw, "path", str, "llm"),
-        dtype=_field(llm_raw, "dtype", str, "llm"), sha256=_field(llm_raw, "sha256", str, "llm"),
-        files=dict(llm_files_raw),
-    )
-    ssms = [_parse_ssm(s, i) for i, s in enumerate(_field(data, "ssms", list, ""))]
-    if not ssms:
-        raise BundleError(f"{_where('ssms')} is empty; a bundle needs at least one SSM")
-    sched_raw = _field(data, "scheduler", dict, "", optional=True)
-    sched_dir, sched_files = None, []
-    if sched_raw is not None:
-        sched_dir = _rel_path(_field(sched_raw, "dir", str, "scheduler"), "scheduler.dir")
-        sched_files = [_rel_path(f, "scheduler.files[]") for f in _field(sched_raw, "files", list, "scheduler")]
-    tree_raw = _field(data, "tree", dict, "")
-    try:
-        tree = TreeConfig(**tree_raw)
-    except (TypeError, ValueError) as e:
-        raise BundleError(f"{_where('tree')} is not a valid tree configuration: {e}") from None
-    draft_vocab = _field(data, "draft_vocab", str, "", optional=True)
-    draft_vocab = _rel_path(draft_vocab, "draft_vocab") if draft_vocab is not None else None
-    if tree.draft_vocab and draft_vocab is None:
-        raise BundleError(f"{_where('tree.draft_vocab')} is {tree.draft_vocab} but the bundle has no draft_vocab "
-                          "ranking; re-export it")
-    prompt_lookup = _field(data, "prompt_lookup", int, "", optional=True) or 0
-    if prompt_lookup < 0:
-        raise BundleError(f"{_where('prompt_lookup')} must be >= 0 (0 = off), got {prompt_lookup}; re-export the bundle")
-    versions = _field(data, "versions", dict, "", optional=True) or {}
-    return Manifest(
-        format=fmt, created=str(data.get("created", "")), source_run=str(data.get("source_run", "")),
-        versions={str(k): str(v) for k, v in versions.items()}, llm=llm,
-        tokenizer=_rel_path(_field(data, "tokenizer", str, ""), "tokenizer"), ssms=ssms,
-        scheduler_dir=sched_dir, scheduler_files=sched_files, tree=tree, files=files, draft_vocab=draft_vocab,
-        prompt_lookup=prompt_lookup,
-    )
-
-
-def _parse_ssm(raw: Any, i: int) -> SSMEntry:
-    where = f"ssms[{i}]"
-    if not isinstance(raw, dict):
-        raise BundleError(f"{_where(where)} must be an object")
-    weights = [_rel_path(w, f"{where}.weights[]") for w in _field(raw, "weights", list, where)]
-    if not any(w.endswith(".safetensors") for w in weights):
-        raise BundleError(f"{_where(where + '.weights')} lists no .safetensors file")
-    profile = _field(raw, "acceptance_profile", str, where, optional=True)
-    return SSMEntry(
-        name=_field(raw, "name", str, where), stage=_field(raw, "stage", int, where),
-        dir=_rel_path(_field(raw, "dir", str, where), f"{where}.dir"),
-        config=_rel_path(_field(raw, "config", str, where), f"{where}.config"), weights=weights,
-        stats=_rel_path(_field(raw, "stats", str, where), f"{where}.stats"),
-        acceptance_profile=None if profile is None else _rel_path(profile, f"{where}.acceptance_profile"),
-        report=_field(raw, "report", dict, where, optional=True) or {},
-    )
-
-
-def read_manifest(bundle: str | Path) -> Manifest:
-    """Parse ``BUNDLE/manifest.json`` (no file checks; see :func:`verify_files`)."""
-    root = Path(bundle)
-    if not root.is_dir():
-        raise BundleError(f"bundle {root} is not a directory; create one with `boosttune export RUN_DIR --out {root}`")
-    path = root / MANIFEST
-    if not path.is_file():
-        raise BundleError(f"bundle {root} has no {MANIFEST}; it is incomplete or not a bundle (re-export it)")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BundleError(f"{path}: not valid JSON ({e}); the bundle is damaged (re-export it)") from None
-    return parse_manifest(data)
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from boosttune.serving.draft_vocab import rank_tokens, save_ranking
 from boosttune.serving.stops import StopCriteria
 
 TREE = {"kind": "expansion", "widths": [1, 2, 1], "topk": 4, "depth": 6, "budget": 32, "min_prob": 0.0,
-        "draft_vocab": 0}
+        "draft_vocab": 0, "ngram_depths": []}
 
 
 def write_ranking(root: Path, llm) -> None:

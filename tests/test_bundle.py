@@ -14,13 +14,8 @@ from boosttune.cli import main
 from boosttune.core.files import atomic_write_json, sha256_file
 from boosttune.core.rundir import REPORT_FORMAT, RunDir
 from boosttune.export import export_bundle
-from boosttune.serving.bundle import (
-    BUNDLE_FORMAT,
-    MANIFEST,
-    BundleError,
-    load_bundle,
-    verify_bundle,
-)
+from boosttune.serving.bundle import load_bundle, verify_bundle
+from boosttune.serving.manifest import BUNDLE_FORMAT, MANIFEST, BundleError, parse_manifest
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +67,24 @@ def test_export_lists_every_file_with_its_hash(bundle, run_dir):
     assert m["tree"] == TREE
     assert m["llm"]["ref"] == "tiny-random" and len(m["llm"]["sha256"]) == 64
     assert set(m["llm"]["files"]) >= {"config.json", "model.safetensors"}
+
+
+def test_the_manifest_has_one_owner_that_writes_and_reads_it(run_dir, bundle, copy, tmp_path):
+    """Manifest.to_json is what export writes and parse_manifest reads back, every tree field included
+    (export used to write its own dict, which dropped the tree's ngram_depths)."""
+    m = verify_bundle(bundle).manifest
+    assert parse_manifest(m.to_json()) == m and m.to_json() == _manifest(bundle)
+    tabled = Path(shutil.copytree(run_dir, tmp_path / "tabled-run"))
+    report = json.loads((tabled / "report.json").read_text())
+    report["tree"]["ngram_depths"] = [2, 4]
+    (tabled / "report.json").write_text(json.dumps(report))
+    out = export_bundle(tabled, tmp_path / "tabled").bundle
+    assert _manifest(out)["tree"]["ngram_depths"] == [2, 4] and load_bundle(out).tree.ngram_depths == (2, 4)
+    # manifests written before the tree carried ngram_depths still load
+    old = _manifest(copy)
+    del old["tree"]["ngram_depths"]
+    _write_manifest(copy, old)
+    assert verify_bundle(copy).manifest.tree.ngram_depths == ()
 
 
 def test_load_bundle_gives_models_tree_and_scheduler(bundle):

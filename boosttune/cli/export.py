@@ -32,11 +32,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         ensure_draft_ranking(run)
     res = export_bundle(run, args.out, force=args.force, draft_vocab=args.draft_vocab, prompt_lookup=args.prompt_lookup)
     m = res.manifest
-    sched = m["scheduler"]["dir"] if m["scheduler"] else "none"
-    k = m["tree"].get("draft_vocab", 0)
     print(
-        f"bundle {res.bundle}: LLM {m['llm']['ref']} (sha256 {m['llm']['sha256'][:12]}), "
-        f"SSMs {', '.join(s['name'] for s in m['ssms'])}, scheduler {sched}, "
-        f"draft vocabulary {k or 'whole'}, prompt lookup {m['prompt_lookup'] or 'off'}, {len(m['files'])} files, {res.total_bytes / 1e6:.1f} MB"
+        f"bundle {res.bundle}: LLM {m.llm.ref} (sha256 {m.llm.sha256[:12]}), "
+        f"SSMs {', '.join(s.name for s in m.ssms)}, scheduler {m.scheduler_dir or 'none'}, "
+        f"draft vocabulary {m.tree.draft_vocab or 'whole'}, prompt lookup {m.prompt_lookup or 'off'}, "
+        f"{len(m.files)} files, {res.total_bytes / 1e6:.1f} MB"
     )
     return 0

@@ -94,7 +94,7 @@ def tree_override(args: argparse.Namespace) -> TreeConfig | None:
         return None
     base = None
     if getattr(args, "bundle", None) is not None:
-        from boosttune.serving.bundle import read_manifest
+        from boosttune.serving.manifest import read_manifest
 
         base = read_manifest(args.bundle).tree
     return tree_from_args(args, base)

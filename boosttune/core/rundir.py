@@ -42,6 +42,8 @@ from boosttune.core.files import MARKER, is_complete
 REPORT_FORMAT = 1
 DRAFT_VOCAB = "draft_vocab.json"
 """The draft vocabulary ranking's file name, in a run directory and next to SSMs and in bundles."""
+SCHEDULER_FILE = "scheduler.json"
+"""The learned scheduler's file in a scheduler directory (a run's, and the bundle's copy of it)."""
 
 
 class RunDir:
@@ -141,7 +143,7 @@ class RunDir:
 
     @property
     def scheduler_file(self) -> Path:
-        return self.scheduler_dir / "scheduler.json"
+        return self.scheduler_dir / SCHEDULER_FILE
 
     @property
     def scheduler_report(self) -> Path:
