@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from boosttune.config import load_config
+from boosttune.core.rundir import RunDir
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 FAST = ["eval.limit=2", "eval.max_new_tokens=8"]
@@ -63,8 +66,15 @@ def test_report_has_one_entry_per_stage(tiny_run: Path) -> None:
         assert s["pool_after"] <= s["pool_before"]
         assert (tiny_run / s["ssm_dir"] / "complete.json").is_file()
         assert (tiny_run / s["ssm_dir"] / "model.safetensors").is_file()
-    # boost-tuning: stage 2 trains on what stage 1 left (or on everything when too little is left)
-    assert stages[1]["pool_before"] in (stages[0]["pool_after"], stages[0]["pool_before"])
+    # boost-tuning: stage 2 trains on what stage 1 left unmatched (on everything when too little is left)
+    run = RunDir(tiny_run)
+    first, second = (json.loads(run.stage_match(k).read_text()) for k in (1, 2))
+    assert first["pool_after"] == [i for i in first["pool"] if not first["train_matched"][i]]
+    if len(first["pool_after"]) >= load_config(TINY).boost.min_pool:
+        assert second["pool"] == first["pool_after"] and not any(first["train_matched"][i] for i in second["pool"])
+    else:
+        assert second["pool"] == first["pool"]
+    assert stages[1]["pool_before"] == len(second["pool"])
     # the ensemble never matches fewer held-out samples than any stage alone
     for k, s in enumerate(stages):
         assert s["ensemble_match_rate"] >= max(t["heldout_match_rate"] for t in stages[: k + 1]) - 1e-9

@@ -10,11 +10,11 @@ import torch
 from conftest import MT_BENCH, SHARED_DATA, perturbed, tiny_llama
 from transformers import AutoTokenizer
 
-from boosttune.config import MatchConfig, PromptsConfig, SourceConfig, SSMInitConfig
+from boosttune.config import BoostConfig, MatchConfig, PromptsConfig, SourceConfig, SSMInitConfig
 from boosttune.core.models import resolve_model_path
 from boosttune.train.distill import Sample, collate, distill_losses, lr_lambda, plan_batches
 from boosttune.train.matching import is_match, teacher_forced_agreement
-from boosttune.train.pipeline import acceptance_profile
+from boosttune.train.pipeline import acceptance_profile, stage_pool, unmatched
 from boosttune.train.sources import collect_prompts, default_seeds, source_prompts
 from boosttune.train.ssm_init import derive_ssm
 
@@ -104,6 +104,19 @@ def test_match_criteria() -> None:
     assert is_match([True, False, True, False], MatchConfig(kind="fraction", k=4, fraction=0.5))
     assert not is_match([True, False, False, False], MatchConfig(kind="fraction", k=4, fraction=0.5))
     assert not is_match([], MatchConfig())
+
+
+def test_matched_samples_leave_the_pool_until_too_few_are_left() -> None:
+    boost = BoostConfig(min_pool=2)
+    first = stage_pool(boost, 1, 6, None)
+    assert first == list(range(6))
+    left = unmatched(first, [True, False, True, False, False, True])
+    assert left == [1, 3, 4]  # the matched samples 0, 2 and 5 are gone
+    assert stage_pool(boost, 2, 6, left) == [1, 3, 4]
+    left = unmatched([1, 3, 4], [False, False, False, True, True, False])
+    assert left == [1]
+    assert stage_pool(boost, 3, 6, left) == list(range(6))  # fewer than min_pool left: train on all again
+    assert stage_pool(BoostConfig(mode="independent"), 2, 6, [1, 3, 4]) == list(range(6))
 
 
 def test_acceptance_profile() -> None:

@@ -137,6 +137,8 @@ class DistillModule(L.LightningModule):
         """Loss tokens over the whole stage (restored on resume)."""
         self.tokens_this_run = 0
         """Loss tokens since this process started (for tokens/s)."""
+        self.resumed_from_step: int | None = None
+        """The optimizer step of the checkpoint this stage resumed from (None: a fresh start)."""
 
     def _base(self):
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
@@ -169,4 +171,7 @@ class DistillModule(L.LightningModule):
         checkpoint["tokens_seen"] = self.tokens_seen
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # Lightning hands over the checkpoint it loads to resume: read the step here instead of
+        # unpickling the whole file a second time
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
+        self.resumed_from_step = int(checkpoint.get("global_step", 0))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from boosttune.config import ConfigError, TrainConfig, dump_yaml, load_config, to_dict
+from boosttune.config import BoostConfig, ConfigError, TrainConfig, dump_yaml, load_config, to_dict
 from boosttune.core.files import atomic_write_json, atomic_write_text, is_complete, mark_complete
 from boosttune.core.models import eos_token_ids, load_model, model_vocab_size, parse_dtype, resolve_model_path
 from boosttune.core.rundir import REPORT_FORMAT, RunDir
@@ -211,15 +211,19 @@ def teacher_summary(run: RunDir, ds) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- stages
-def stage_pool(cfg: TrainConfig, run: RunDir, k: int, n_train: int) -> list[int]:
-    """Training-sample indices of stage ``k`` (boost: minus what stage k-1 matched)."""
+def stage_pool(boost: BoostConfig, k: int, n_train: int, left: list[int] | None) -> list[int]:
+    """The training-sample indices stage ``k`` trains on: every one for stage 1 and for the
+    independent ablation; else ``left``, what stage k - 1 did not match (``unmatched``), unless
+    fewer than ``boost.min_pool`` are left (then every one again)."""
     everything = list(range(n_train))
-    if k == 1 or cfg.boost.mode == "independent":
+    if k == 1 or boost.mode == "independent" or left is None or len(left) < boost.min_pool:
         return everything
-    prev = json.loads(run.stage_match(k - 1).read_text())
-    if prev["pool_after_size"] < cfg.boost.min_pool:
-        return everything
-    return prev["pool_after"]
+    return list(left)
+
+
+def unmatched(pool: list[int], matched: list[bool]) -> list[int]:
+    """The samples of ``pool`` whose ``matched[i]`` is False: they stay for the next stage."""
+    return [i for i in pool if not matched[i]]
 
 
 def _score(model, samples, pad_id: int, autocast: bool) -> dict[int, list[bool]]:
@@ -270,7 +274,8 @@ def run_stage(cfg: TrainConfig, run: RunDir, k: int, init_dir: Path, tokenizer, 
     if is_complete(out) and summary_path.exists():
         return json.loads(summary_path.read_text())
     run.stage_dir(k).mkdir(parents=True, exist_ok=True)
-    pool = stage_pool(cfg, run, k, len(train))
+    left = json.loads(run.stage_match(k - 1).read_text())["pool_after"] if k > 1 else None
+    pool = stage_pool(cfg.boost, k, len(train), left)
     t0 = time.perf_counter()
     _log(f"stage {k}/{cfg.boost.num_ssms}: training on {len(pool)} of {len(train)} samples")
     model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32).train()
@@ -283,7 +288,7 @@ def run_stage(cfg: TrainConfig, run: RunDir, k: int, init_dir: Path, tokenizer, 
     m = cfg.boost.match
     train_match = [is_match(r, m) for r in train_rows]
     held_match = [is_match(r, m) for r in held_rows]
-    pool_after = [i for i in pool if not train_match[i]]
+    pool_after = unmatched(pool, train_match)
     earlier = [json.loads(run.stage_match(j).read_text())["heldout_matched"] for j in range(1, k)]
     ensemble = [any(x) for x in zip(held_match, *earlier, strict=True)] if held else []
     match = {"pool": pool, "pool_after": pool_after, "pool_after_size": len(pool_after),

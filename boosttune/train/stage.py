@@ -136,7 +136,6 @@ def train_stage(model, samples: list[Sample], cfg: TrainConfig, stage_dir: Path,
         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=True,
     )
     resume = resume_checkpoint(ckpt)
-    resumed_from = _ckpt_step(resume)  # read now: fit overwrites the file
     t0 = time.perf_counter()
     trainer.fit(module, train_dataloaders=loader, ckpt_path=str(resume) if resume else None)
     secs = time.perf_counter() - t0
@@ -148,7 +147,7 @@ def train_stage(model, samples: list[Sample], cfg: TrainConfig, stage_dir: Path,
         "train_tokens": int(tokens), "train_seconds": secs,
         "train_tokens_per_s": tokens_run / secs if secs > 0 and tokens_run else None,
         "train_loss": float(loss) if loss is not None else None,
-        "resumed_from_step": resumed_from, "precision": precision(cfg), "world_size": dist.world_size(),
+        "resumed_from_step": module.resumed_from_step, "precision": precision(cfg), "world_size": dist.world_size(),
         "strategy": type(trainer.strategy).__name__,
     }
     if cfg.optim.strategy.startswith("deepspeed_stage_3"):  # parameters are partitioned across ranks
@@ -173,8 +172,3 @@ def zero3_model(ckpt_dir: Path, model_cls, config):
     model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
     return model
 
-
-def _ckpt_step(path: Path | None) -> int | None:
-    if path is None or path.is_dir():
-        return None
-    return int(torch.load(path, map_location="cpu", weights_only=False).get("global_step", 0))
