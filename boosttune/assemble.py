@@ -23,7 +23,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from boosttune.core.models import LoadedModel, load_llm_and_ssms
-from boosttune.core.rundir import SCHEDULER_FILE
+from boosttune.core.rundir import SCHEDULER_FILE, ssm_name
 from boosttune.scheduler.policy import Scheduler
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.bundle import LoadedBundle, load_bundle
@@ -72,7 +72,7 @@ class Served:
 
 def ssm_names(n: int) -> list[str]:
     """The names of ``n`` SSMs given without names: ssm-1 .. ssm-N, as a run and its bundles name them."""
-    return [f"ssm-{k}" for k in range(1, n + 1)]
+    return [ssm_name(k) for k in range(1, n + 1)]
 
 
 def engine_from_models(

@@ -211,8 +211,8 @@ class SchedulerConfig:
             newest 1-3 tokens' earlier occurrence; no model, microseconds per draft) to the choice,
             as one more member of the subsets; at depth k it proposes up to k tokens.
         stepwise_lookup: also learn prompt lookup's chain length per step from the matched n-gram's
-            length (``stepwise.py``); the learned policy then drafts that length whenever its choice
-            includes prompt lookup.
+            length (``scheduler/offline/stepwise.py``); the learned policy then drafts that length
+            whenever its choice includes prompt lookup.
         ngram_buckets: size of the hashed token n-gram feature block.
         pca_components: most principal components of the standardized features fed to the
             ridge regression; 1, 2, 4, ... up to it are tried by 5-fold cross-validation.

@@ -1,10 +1,13 @@
 """`boosttune export RUN_DIR --out BUNDLE`: a training run's servable parts as one bundle.
 
-The bundle's layout and what loading checks are documented in ``serving/bundle.py``; its manifest is a
-``serving/manifest.py`` ``Manifest``, written by ``Manifest.write`` (the same class parses it back). Export copies the SSMs' safetensors weights, configs and statistics, writes
-the LLM's tokenizer once, copies the run's scheduler directory file for file, pins the LLM by a
-content hash and lists a sha256 for every file. It writes into a temporary sibling directory and
-renames it into place at the end, so an interrupted export never leaves a half bundle at ``--out``.
+The bundle's layout and what loading checks are documented in ``serving/bundle.py``; its manifest is
+a ``serving/manifest.py`` ``Manifest``, written by ``Manifest.write`` (the same class parses it back).
+Export copies the SSMs' safetensors weights, configs and statistics, writes the LLM's tokenizer once,
+copies the run's scheduler directory file for file and its draft vocabulary ranking (when it has
+one), writes the run's tree (the training config's ``tree:`` section) as the bundle's default, pins
+the LLM by a content hash and lists a sha256 for every file. It writes into a temporary sibling
+directory and renames it into place at the end, so an interrupted export never leaves a half bundle
+at ``--out``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from boosttune.serving.bundle import llm_content_hash
 from boosttune.serving.manifest import (
     BUNDLE_FORMAT,
     SCHEDULER_DIR,
+    SSMS_DIR,
     TOKENIZER_DIR,
     BundleError,
     FileEntry,
@@ -179,7 +183,7 @@ def export_bundle(
         ssms = []
         for src in ssm_dirs:
             stage = stages.get(str(src), {})
-            rel = f"ssms/{src.name}"
+            rel = f"{SSMS_DIR}/{src.name}"
             weights, profile = _copy_ssm(src, tmp / rel, vocab)
             ssms.append(SSMEntry(
                 name=src.name, stage=int(stage.get("stage", len(ssms) + 1)), dir=rel, config=f"{rel}/config.json",

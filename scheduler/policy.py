@@ -20,7 +20,7 @@ training request (``z_max`` standard deviations along a principal axis) or the p
 not finite.
 
 Whenever the chosen subset includes prompt lookup, its chain length is then set per step by the
-learned per-match table (``lookup_depths``, ``stepwise.py``: short after a match of one token, long
+learned per-match table (``lookup_depths``, ``offline/stepwise.py``: short after a match of one token, long
 after three), up to the label depth; the chosen depth still sets the SSMs' trees.
 """
 
@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from boosttune.core.rundir import ssm_name
 from boosttune.scheduler.costs import CostModel, depth_trees
 from boosttune.scheduler.features import FeatureSpec, RequestFeatures, request_features
 from boosttune.scheduler.model import LinearModel
@@ -51,7 +52,7 @@ class Candidate:
     """A subset (bitmask over SSM indices; 0 = plain decoding) and a tree depth (0 with mask 0).
 
     ``ngram_depths`` non-empty: prompt lookup (when in the subset) drafts per step the length this
-    table gives for the match's n-gram length, up to the label depth (``stepwise.py``), instead of
+    table gives for the match's n-gram length, up to the label depth (``offline/stepwise.py``), instead of
     ``depth``, which then applies to the SSMs only.
     """
 
@@ -114,7 +115,7 @@ class Choice:
 def default_drafters(n: int, prompt_lookup: bool) -> tuple[str, ...]:
     """The names of ``n`` drafters when none were recorded: ssm-1 .. ssm-K, then prompt lookup."""
     ssms = n - int(prompt_lookup)
-    return tuple(f"ssm-{k}" for k in range(1, ssms + 1)) + ((LOOKUP_NAME,) if prompt_lookup else ())
+    return tuple(ssm_name(k) for k in range(1, ssms + 1)) + ((LOOKUP_NAME,) if prompt_lookup else ())
 
 
 def candidates(n_ssms: int, depths: Sequence[int]) -> list[Candidate]:
@@ -180,7 +181,7 @@ class Scheduler:
         prompt_lookup: one of the drafters is the prompt-lookup drafter (``LOOKUP_NAME``,
             ``serving/lookup.py``); an engine serving this scheduler needs it, drafting chains of up to
             ``lookup_length`` tokens (``boosttune/assemble.py`` builds it so).
-        lookup_depths: prompt lookup's chain length per matched n-gram length (``stepwise.py``),
+        lookup_depths: prompt lookup's chain length per matched n-gram length (``offline/stepwise.py``),
             used whenever a choice includes prompt lookup; empty: the choice's depth.
         drafters: the names of the ``n_ssms`` drafters, bit j of a mask being ``drafters[j]``. Empty
             (files written before drafters were named): ssm-1 .. ssm-K, then prompt lookup.

@@ -11,7 +11,7 @@ branch's first k levels are the same nodes). So for any subset and budget::
                                    = sum_{d <= k} P(max_{j in mask} a_j >= d)
 
 which the policy predicts per request from the survival ``P(...)``. The approximation (steps start
-at some positions, not all) is only the prediction's; replays walk the steps (``walk.py``).
+at some positions, not all) is only the prediction's; replays walk the steps (``offline/walk.py``).
 """
 
 from __future__ import annotations

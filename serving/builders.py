@@ -49,7 +49,7 @@ class TreeConfig:
         ngram_depths: prompt lookup only (``lookup.py``): the chain length after a match of the newest
             n tokens, n = 1 .. len (longer matches use the last entry), each capped at the tree's
             depth; 0 drafts nothing after such a match; empty: always the tree's depth. Set per
-            request by a learned scheduler (``scheduler/stepwise.py``).
+            request by a learned scheduler (``scheduler/offline/stepwise.py``).
     """
 
     kind: str = "expansion"

@@ -36,6 +36,7 @@ MANIFEST = "manifest.json"
 BUNDLE_FORMAT = 1
 BUNDLE_KIND = "boosttune-bundle"
 TOKENIZER_DIR = "tokenizer"
+SSMS_DIR = "ssms"
 SCHEDULER_DIR = "scheduler"
 
 

@@ -46,6 +46,12 @@ SCHEDULER_FILE = "scheduler.json"
 """The learned scheduler's file in a scheduler directory (a run's, and the bundle's copy of it)."""
 
 
+def ssm_name(k: int) -> str:
+    """The name of stage k's SSM: its directory under ssms/, in a run and in its bundles, and its
+    drafter name in engines and schedulers."""
+    return f"ssm-{k}"
+
+
 class RunDir:
     """A `boosttune train` run directory (the layout in the module docstring)."""
 
@@ -134,7 +140,7 @@ class RunDir:
         return sorted(self.stage_dir(k).glob(f"{name}-rank*.json"))
 
     def ssm_dir(self, k: int) -> Path:
-        return self.root / "ssms" / f"ssm-{k}"
+        return self.root / "ssms" / ssm_name(k)
 
     # -- the learned scheduler ----------------------------------------------------------------
     @property

@@ -17,7 +17,7 @@ from boosttune.assemble import engine_from_models
 from boosttune.config import TrainConfig
 from boosttune.core.models import eos_token_ids, load_llm_and_ssms, parse_dtype
 from boosttune.core.prompts import encode_prompt, read_prompts
-from boosttune.core.rundir import RunDir
+from boosttune.core.rundir import RunDir, ssm_name
 from boosttune.serving.draft_vocab import load_ranking
 from boosttune.serving.engine import SpeculativeEngine
 from boosttune.serving.stops import StopCriteria
@@ -57,7 +57,7 @@ def evaluate_run(cfg: TrainConfig, run: RunDir, held_out: list[TrainPrompt]) -> 
     t0 = time.perf_counter()
     out: dict = {"prompts": len(prompts), "max_new_tokens": cfg.eval.max_new_tokens, "dtype": cfg.llm.eval_dtype,
                  "widths": list(tree.widths), "tree": asdict(tree), "singles": []}
-    runs = [(f"ssm-{k + 1}", [s.model]) for k, s in enumerate(ssms)]
+    runs = [(ssm_name(k + 1), [s.model]) for k, s in enumerate(ssms)]
     if len(ssms) > 1:
         runs.append(("ensemble", [s.model for s in ssms]))
     for name, models in tqdm(runs, desc="evaluate τ", unit="config", disable=None):
