@@ -199,9 +199,9 @@ def test_incremental_sampling_runs():
     assert len(a.tokens) == NEW_TOKENS and a.tokens == b.tokens
 
 
-def test_plan_hook_one_token_prompt_on_device():
-    """The plan hook gets (0, H) hidden states on the LLM's device for a one-token prompt."""
+def test_planner_one_token_prompt_on_device():
+    """The planner gets (0, H) hidden states on the LLM's device for a one-token prompt."""
     engine, _ = _sampling_engine("chain")
     seen = []
-    engine.generate([3], StopCriteria(max_new_tokens=4), plan=lambda h: seen.append(h) or (None, None))
+    engine.generate([3], StopCriteria(max_new_tokens=4), planner=lambda h: seen.append(h))  # None: default plan
     assert seen[0].shape == (0, 32) and seen[0].device.type == "cuda"
