@@ -154,7 +154,7 @@ def test_server_uses_the_exported_scheduler_and_stays_lossless(run_dir, tmp_path
 
 
 @pytest.mark.parametrize("no_scheduler", [False, True])
-def test_generate_serve_and_bench_assemble_the_same_engine_from_one_bundle(run_dir, tmp_path, monkeypatch,
+def test_generate_serve_and_bench_assemble_the_same_engine_from_one_bundle(run_dir, tmp_path, monkeypatch, capsys,
                                                                           no_scheduler):
     """One bundle, three commands, one assembly: the same drafters, default trees, draft vocabulary
     and learned scheduler (`generate BUNDLE` used to leave the scheduler and its prompt lookup out)."""
@@ -198,3 +198,8 @@ def test_generate_serve_and_bench_assemble_the_same_engine_from_one_bundle(run_d
     assert list(generate.engine.drafters) == ["ssm-1", "ssm-2", LOOKUP_NAME]
     summary = json.loads((tmp_path / "bench" / "summary.json").read_text())
     assert summary["scheduler"] == (not no_scheduler) and summary["greedy_identical"] == 1
+    # a tree the learned scheduler would override is refused, naming the way out; without it, it applies
+    capsys.readouterr()
+    assert main(["generate", bundle, "Hi", "--max-new-tokens", "2", "--widths", "1", *extra]) == (0 if no_scheduler else 2)
+    assert no_scheduler or "--no-scheduler" in capsys.readouterr().err
+    assert not no_scheduler or built[-1].engine.plan.trees["ssm-1"].widths == (1,)

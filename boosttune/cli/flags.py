@@ -8,6 +8,7 @@ config's ``TreeConfig()`` without a bundle), so the same bundle decodes with the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import TYPE_CHECKING
 
 from boosttune.serving.builders import TREE_POLICIES, TreeConfig
@@ -15,7 +16,8 @@ from boosttune.serving.builders import TREE_POLICIES, TreeConfig
 if TYPE_CHECKING:  # the assembly loads transformers: only when a command runs
     from boosttune.assemble import Served
 
-_TREE_FLAGS = ("tree", "widths", "topk", "depth", "budget", "min_prob", "draft_vocab")
+_TREE_FLAGS = {"tree": "kind", "widths": "widths", "topk": "topk", "depth": "depth", "budget": "budget",
+               "min_prob": "min_prob", "draft_vocab": "draft_vocab"}  # flag -> TreeConfig field
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -69,35 +71,23 @@ def add_bundle_args(p: argparse.ArgumentParser, positional: bool) -> None:
                         "lookup if it was exported with --prompt-lookup); needed to set tree or lookup flags")
 
 
-def tree_from_args(args: argparse.Namespace, base: TreeConfig | None = None) -> TreeConfig:
-    """The tree the flags ask for; flags left unset (None) take ``base``'s value (a bundle's defaults)."""
-    base = base or TreeConfig()
-
-    def pick(flag: str, field: str):
-        value = getattr(args, flag)
-        return getattr(base, field) if value is None else value
-
-    return TreeConfig(kind=pick("tree", "kind"), widths=pick("widths", "widths"), topk=pick("topk", "topk"),
-                      depth=pick("depth", "depth"), budget=pick("budget", "budget"), min_prob=pick("min_prob", "min_prob"),
-                      draft_vocab=pick("draft_vocab", "draft_vocab"))
-
-
 def ssm_refs(args: argparse.Namespace) -> list[str]:
     """The --ssm references, 'default' meaning the LLM itself."""
     return [(args.llm or "default") if s == "default" else s for s in args.ssm]
 
 
 def tree_override(args: argparse.Namespace) -> TreeConfig | None:
-    """The tree the tree flags ask for (unset flags: the bundle's value, else ``TreeConfig()``'s);
+    """The tree the tree flags ask for, unset fields kept from the bundle's tree (else ``TreeConfig()``);
     None when no tree flag is set."""
-    if all(getattr(args, flag) is None for flag in _TREE_FLAGS):
+    changes = {field: getattr(args, flag) for flag, field in _TREE_FLAGS.items() if getattr(args, flag) is not None}
+    if not changes:
         return None
-    base = None
-    if getattr(args, "bundle", None) is not None:
+    base = TreeConfig()
+    if args.bundle is not None:
         from boosttune.serving.manifest import read_manifest
 
         base = read_manifest(args.bundle).tree
-    return tree_from_args(args, base)
+    return dataclasses.replace(base, **changes)
 
 
 def assemble_from_args(args: argparse.Namespace) -> Served:
@@ -105,7 +95,7 @@ def assemble_from_args(args: argparse.Namespace) -> Served:
     from boosttune import assemble
 
     return assemble.load(
-        bundle=getattr(args, "bundle", None), llm=args.llm, ssms=ssm_refs(args), dtype=args.dtype,
-        ssm_dtype=args.ssm_dtype, tree=tree_override(args), draft_ranking=args.draft_ranking,
-        lookup=args.prompt_lookup, use_scheduler=not getattr(args, "no_scheduler", False),
+        bundle=args.bundle, llm=args.llm, ssms=ssm_refs(args), dtype=args.dtype, ssm_dtype=args.ssm_dtype,
+        tree=tree_override(args), draft_ranking=args.draft_ranking, lookup=args.prompt_lookup,
+        use_scheduler=not args.no_scheduler,
     )
