@@ -75,6 +75,9 @@ class PromptsConfig:
     shuffle_seed: int = 0
 
 
+TEACHER_BACKENDS = ("auto", "batched", "hf")
+
+
 @dataclass
 class TeacherConfig:
     max_new_tokens: int = 128
@@ -86,8 +89,12 @@ class TeacherConfig:
     top_p: float = 1.0
     topk_logprobs: int = 0
     """Keep the LLM's top-k log-probs per position for a KL/TV loss (0 = off)."""
+    backend: str = "auto"
+    """'batched' (greedy only: boosttune's own batched decoder, boosttune/train/batched_decode.py),
+    'hf' (transformers ``generate``; needed for sampling teachers), or 'auto' (batched when greedy and
+    the LLM's attention is plain full causal attention, else hf)."""
     attn_implementation: str = "eager"
-    """'eager' measured ~20x faster than 'sdpa' for left-padded batched generate on this CPU."""
+    """The HF backend's attention ('eager' or 'sdpa'); the batched backend brings its own."""
     reuse_from: str = ""
     """Start from another run's prompts and teacher shards (hard links), e.g. for an ablation; its
     llm, prompts and teacher settings must equal this run's."""
@@ -482,6 +489,9 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.teacher.temperature >= 0, "teacher.temperature", "must be >= 0 (0 = greedy)")
     _check(0 < cfg.teacher.top_p <= 1, "teacher.top_p", "must be in (0, 1]")
     _check(cfg.teacher.topk_logprobs >= 0, "teacher.topk_logprobs", "must be >= 0")
+    _check(cfg.teacher.backend in TEACHER_BACKENDS, "teacher.backend", f"must be one of {', '.join(TEACHER_BACKENDS)}")
+    _check(cfg.teacher.backend != "batched" or cfg.teacher.temperature == 0, "teacher.backend",
+           "the batched backend is greedy only: set teacher.temperature=0 or teacher.backend=hf")
     for name in ("teacher_dtype", "eval_dtype"):
         _check(getattr(cfg.llm, name) in ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16"),
                f"llm.{name}", "must be fp32, bf16 or fp16")

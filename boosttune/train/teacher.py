@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from boosttune.config import TeacherConfig
 from boosttune.core.rundir import RunDir
+from boosttune.train import batched_decode
 from boosttune.train.faults import crash_point
 from boosttune.train.sources import TrainPrompt
 
@@ -75,12 +76,34 @@ def _left_pad(batch: Sequence[Sequence[int]], pad: int, device) -> tuple[torch.T
     return ids.to(device), mask.to(device)
 
 
-@torch.inference_mode()
+def resolve_backend(cfg: TeacherConfig, model) -> str:
+    """'batched' or 'hf': what ``cfg.backend`` means for this model ('auto': batched when it can)."""
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "batched" if cfg.temperature == 0 and batched_decode.unsupported_reason(model) is None else "hf"
+
+
 def generate_batch(
+    model, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, top_p: float,
+    pad_id: int, eos_ids: frozenset[int], topk: int = 0, backend: str = "hf",
+) -> list[Continuation]:
+    """The LLM's continuations of a batch of prompts, by ``backend`` ('hf' or 'batched')."""
+    if backend == "batched":
+        if temperature > 0:
+            raise ValueError("the batched teacher backend is greedy only (temperature 0)")
+        outs, top_ids, top_lps = batched_decode.greedy_batch(model, prompts, max_new_tokens, eos_ids, pad_id, topk)
+        return [Continuation(o, "stop" if o and o[-1] in eos_ids else "length",
+                             top_ids[r] if topk else None, top_lps[r] if topk else None)
+                for r, o in enumerate(outs)]
+    return _hf_generate(model, prompts, max_new_tokens, temperature, top_p, pad_id, eos_ids, topk)
+
+
+@torch.inference_mode()
+def _hf_generate(
     model, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, top_p: float,
     pad_id: int, eos_ids: frozenset[int], topk: int = 0,
 ) -> list[Continuation]:
-    """The LLM's continuations of a batch of prompts (left-padded HF ``generate``)."""
+    """Left-padded HF ``generate``."""
     ids, mask = _left_pad(prompts, pad_id, model.device)
     sample = temperature > 0
     out = model.generate(
@@ -132,8 +155,10 @@ def run_teacher(
     n = num_shards(len(prompts), cfg.shard_size)
     todo = [k for k in my_shards(n, rank, world) if not run.teacher_shard(k).exists()]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    backend = resolve_backend(cfg, model)
     tokens, t0 = 0, time.perf_counter()
-    bar = tqdm(total=len(todo), desc=f"teacher[rank {rank}]", unit="shard", dynamic_ncols=True, disable=None)
+    bar = tqdm(total=len(todo), desc=f"teacher[rank {rank}, {backend}]", unit="shard", dynamic_ncols=True,
+               disable=None)
     for k in todo:
         shard = list(prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size])
         # Length-sorted batches pad less; results go back to prompt order.
@@ -143,7 +168,7 @@ def run_teacher(
         for b in range(0, len(order), cfg.batch_size):
             idx = order[b:b + cfg.batch_size]
             outs = generate_batch(model, [shard[i].input_ids for i in idx], cfg.max_new_tokens, cfg.temperature,
-                                  cfg.top_p, pad, eos_ids, cfg.topk_logprobs)
+                                  cfg.top_p, pad, eos_ids, cfg.topk_logprobs, backend)
             for i, c in zip(idx, outs, strict=True):
                 conts[i] = c
                 tokens += len(c.output_ids)
@@ -152,7 +177,7 @@ def run_teacher(
         bar.update(1)
     bar.close()
     secs = time.perf_counter() - t0
-    return {"shards_written": len(todo), "tokens": tokens, "seconds": secs,
+    return {"shards_written": len(todo), "tokens": tokens, "seconds": secs, "backend": backend,
             "tokens_per_s": tokens / secs if secs > 0 and tokens else 0.0}
 
 

@@ -1,0 +1,167 @@
+"""Greedy teacher decoding for a batch of prompts, without HF ``generate``'s per-step overhead.
+
+The teacher phase is the training budget: every SSM token we train on is one the LLM wrote. HF
+``generate`` on a left-padded batch re-builds a 4-D mask, grows its cache by concatenation and keeps
+stepping rows that already ended. This decoder instead
+
+- preallocates the whole cache (``prompt + max_new_tokens`` positions) and writes each step in place;
+- keeps keys transposed, (B, G, C, S), so a decode step's attention is two batched matrix products
+  that read the cache where it lies, grouped-query heads folded into rows instead of repeated;
+- drops finished rows from the batch every ``compact_every`` steps.
+
+It calls the model's own decoder layers (rotary embeddings, norms, MLPs) through a registered
+attention function, so it is the LLM's computation: on CPU in fp32 its tokens equal HF ``generate``'s
+(tests/test_train_units.py). Greedy only; sampling teachers use the HF backend.
+
+Shape legend: B rows, T tokens fed, S cache positions, H query heads, G kv heads, C head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import AttentionInterface
+
+ATTENTION = "boosttune_batched_teacher"
+
+
+@dataclass
+class BatchCache:
+    keys: list[Tensor]  # per layer (B, G, C, S_max), transposed
+    values: list[Tensor]  # per layer (B, G, S_max, C)
+    bias: Tensor  # (B, S_max) additive: -inf at left padding, 0 elsewhere
+    filled: int = 0  # positions written so far (the same for every row: padding is on the left)
+
+    def keep_rows(self, rows: Tensor) -> None:
+        self.keys = [x.index_select(0, rows) for x in self.keys]
+        self.values = [x.index_select(0, rows) for x in self.values]
+        self.bias = self.bias.index_select(0, rows)
+
+
+def _attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None, dropout=0.0, **kw):
+    """query (B, H, T, C), key/value (B, G, T, C) for the T fed tokens; returns (B, T, H, C)."""
+    cache: BatchCache = kw["batch_cache"]
+    layer = module.layer_idx
+    b, h, t, c = query.shape
+    g = key.shape[1]
+    s0 = cache.filled
+    cache.keys[layer][:, :, :, s0:s0 + t] = key.transpose(-1, -2)
+    cache.values[layer][:, :, s0:s0 + t] = value
+    scale = scaling if scaling is not None else c ** -0.5
+    bias = cache.bias[:, : s0 + t]  # (B, S)
+    if t == 1:
+        dt = cache.keys[layer].dtype
+        keys_t = cache.keys[layer].view(b * g, c, -1)[:, :, : s0 + 1]  # (B*G, C, S), a view
+        values = cache.values[layer].view(b * g, -1, c)[:, : s0 + 1]  # (B*G, S, C), a view
+        q = query.reshape(b * g, h // g, c).to(dt)  # query head i reads kv head i // (H / G)
+        scores = torch.bmm(q, keys_t).view(b, h, s0 + 1) * scale + bias[:, None, :]  # (B, H, S)
+        probs = torch.softmax(scores.float(), dim=-1).to(dt).view(b * g, h // g, s0 + 1)
+        out = torch.bmm(probs, values).view(b, h, 1, c).to(query.dtype)  # (B, H, 1, C)
+    else:  # the prefill: causal within the prompt, padding masked
+        if s0:
+            raise ValueError("batched decode: multi-token feeds are only supported as the first (prefill) call")
+        mask = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()[None, None] & (bias == 0)[:, None, None, :]
+        # a padding row sees nothing and would give NaN; let it see itself (its output is never read)
+        mask = mask | torch.eye(t, dtype=torch.bool, device=query.device)[None, None]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=g != h)
+    return out.transpose(1, 2), None
+
+
+AttentionInterface.register(ATTENTION, _attention)
+
+
+def unsupported_reason(model) -> str | None:
+    """Why this decoder cannot run ``model`` (None if it can): it needs plain full causal attention."""
+    cfg = model.config
+    if not hasattr(cfg, "num_key_value_heads") or not hasattr(cfg, "num_hidden_layers"):
+        return f"{type(model).__name__} has no num_key_value_heads/num_hidden_layers in its config"
+    window = getattr(cfg, "sliding_window", None)
+    if window and getattr(cfg, "use_sliding_window", True):
+        return f"{cfg.model_type} uses sliding-window attention ({window} tokens)"
+    if getattr(cfg, "layer_types", None) and any(x != "full_attention" for x in cfg.layer_types):
+        return f"{cfg.model_type} has layers other than full attention ({sorted(set(cfg.layer_types))})"
+    attn = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")]
+    if len(attn) != cfg.num_hidden_layers:
+        return f"{type(model).__name__}: found {len(attn)} attention modules with a layer_idx, expected {cfg.num_hidden_layers}"
+    return None
+
+
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+@torch.inference_mode()
+def greedy_batch(
+    model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: frozenset[int], pad_id: int,
+    topk: int = 0, compact_every: int = 16,
+) -> tuple[list[list[int]], list[list[list[int]]] | None, list[list[list[float]]] | None]:
+    """Greedy continuations of ``prompts`` (each cut after its first EOS), and with ``topk`` the
+    LLM's ``topk`` most likely tokens and their log-probabilities at every output position."""
+    reason = unsupported_reason(model)
+    if reason:
+        raise ValueError(f"teacher.backend=batched: {reason}; use teacher.backend=hf")
+    dev, cfg = model.device, model.config
+    n_rows, width = len(prompts), max(len(p) for p in prompts)
+    s_max = width + max_new_tokens
+    # fp32 on CPU: two small batched products read it in place, faster than bf16 there and exact
+    cache_dtype = torch.float32 if dev.type == "cpu" else model.dtype
+    g, c = cfg.num_key_value_heads, _head_dim(cfg)
+    cache = BatchCache(
+        keys=[torch.empty(n_rows, g, c, s_max, device=dev, dtype=cache_dtype) for _ in range(cfg.num_hidden_layers)],
+        values=[torch.empty(n_rows, g, s_max, c, device=dev, dtype=cache_dtype) for _ in range(cfg.num_hidden_layers)],
+        bias=torch.zeros(n_rows, s_max, device=dev, dtype=cache_dtype),
+    )
+    ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
+    offsets = torch.zeros(n_rows, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        offsets[r] = width - len(p)
+        cache.bias[r, : width - len(p)] = float("-inf")
+    ids, offsets = ids.to(dev), offsets.to(dev)
+    positions = (torch.arange(width, device=dev)[None] - offsets[:, None]).clamp(min=0)  # (B, P)
+    body, head = model.get_decoder(), model.get_output_embeddings()
+    outs: list[list[int]] = [[] for _ in range(n_rows)]
+    top_ids: list[list[list[int]]] = [[] for _ in range(n_rows)]
+    top_lps: list[list[list[float]]] = [[] for _ in range(n_rows)]
+    rows = list(range(n_rows))  # the original row of each live row
+    old = cfg._attn_implementation
+    cfg._attn_implementation = ATTENTION
+    try:
+        hidden = body(input_ids=ids, position_ids=positions, use_cache=False, batch_cache=cache).last_hidden_state[:, -1]
+        cache.filled = width
+        next_pos = positions[:, -1] + 1  # (B,)
+        done = [False] * n_rows
+        for step in range(max_new_tokens):
+            logits = head(hidden).float()  # (B, V)
+            tok = logits.argmax(-1)
+            if topk:
+                lp, ti = torch.log_softmax(logits, -1).topk(topk, -1)
+                lp, ti = lp.tolist(), ti.tolist()
+            for j, t in enumerate(tok.tolist()):  # one host sync per step
+                if done[j]:
+                    continue
+                r = rows[j]
+                outs[r].append(t)
+                if topk:
+                    top_ids[r].append(ti[j])
+                    top_lps[r].append(lp[j])
+                done[j] = t in eos_ids
+            if all(done) or step + 1 == max_new_tokens:
+                break
+            if step % compact_every == compact_every - 1 and any(done):
+                live = [j for j, d in enumerate(done) if not d]
+                keep = torch.tensor(live, device=dev)
+                cache.keep_rows(keep)
+                rows, done = [rows[j] for j in live], [False] * len(live)
+                tok, next_pos = tok[keep], next_pos[keep]
+            hidden = body(input_ids=tok[:, None], position_ids=next_pos[:, None], use_cache=False,
+                          batch_cache=cache).last_hidden_state[:, -1]
+            cache.filled += 1
+            next_pos = next_pos + 1
+    finally:
+        cfg._attn_implementation = old
+    return outs, (top_ids if topk else None), (top_lps if topk else None)
