@@ -169,3 +169,29 @@ def test_an_ssm_init_with_another_vocabulary_is_refused_at_start(tmp_path: Path)
     cfg = load_config(CONFIGS / "tiny.yaml", [f"ssm.init={other}"])
     with pytest.raises(ConfigError, match="ssm.init: SSM .* has a different vocabulary"):
         preflight(cfg)
+
+
+def _normalised(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_no_shipped_config_trains_on_mt_bench(name: str) -> None:
+    """MT-bench is evaluation only: no source names it, and no seed or local prompt is one of its turns."""
+    from conftest import MT_BENCH
+
+    from boosttune.core.prompts import read_prompts
+    from boosttune.train.sources import default_seeds
+
+    cfg = load_config(CONFIGS / name)
+    mt_turns = {_normalised(t) for line in MT_BENCH.read_text().splitlines() if line.strip()
+                for t in json.loads(line)["turns"]}
+    texts = [p.text for p in default_seeds()]
+    # what training reads: the prompt sources, and the scheduler's training prompts
+    paths = [(s.kind, s.path) for s in cfg.prompts.sources] + [("jsonl", cfg.scheduler.prompts or "")]
+    for kind, path in paths:
+        assert not any(m in path.lower() for m in ("mt_bench", "mt-bench", "mtbench")), f"{name}: {path}"
+        if kind in ("text", "jsonl") and path and Path(path).is_file():
+            texts += [p.text for p in read_prompts(path)]
+    leaked = [t for t in texts if _normalised(t) in mt_turns]
+    assert not leaked, f"{name} trains on MT-bench turns: {leaked[:3]}"

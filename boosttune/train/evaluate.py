@@ -8,6 +8,7 @@ the bonus token (DESIGN.md).
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import asdict
 
@@ -34,15 +35,27 @@ def eval_prompt_ids(cfg: TrainConfig, tokenizer, held_out: list[TrainPrompt]) ->
 
 
 def tau_of(engine: SpeculativeEngine, prompts: list[list[int]], stop: StopCriteria) -> dict:
+    """τ and tokens/s over ``prompts``, and the median seconds of a step's drafting (all drafters,
+    prompt catch-up excluded) and of its verification forward."""
     steps = tokens = 0
     secs = 0.0
+    draft, verify = [], []
     for ids in prompts:
-        res = engine.generate(ids, stop)
+        res = engine.generate(ids, stop, record=True)
         steps += res.steps
         tokens += len(res.tokens)
         secs += res.wall_time
+        draft += [sum(r.draft_s) for r in res.records[1:]]  # step 1 includes catching up on the prompt
+        verify += [r.verify_s for r in res.records]
     return {"tau": tokens / max(1, steps), "tokens": tokens, "steps": steps,
-            "tokens_per_s": tokens / secs if secs else 0.0}
+            "tokens_per_s": tokens / secs if secs else 0.0,
+            "draft_s_median": statistics.median(draft) if draft else 0.0,
+            "verify_s_median": statistics.median(verify) if verify else 0.0}
+
+
+def relative_cost(single: dict, plain: dict, depth: int) -> float:
+    """c: an SSM's seconds per draft forward (one per tree level) over one plain decoding step's."""
+    return single["draft_s_median"] / max(1, depth) / plain["verify_s_median"] if plain["verify_s_median"] else 0.0
 
 
 def evaluate_run(cfg: TrainConfig, run: RunDir, held_out: list[TrainPrompt]) -> dict:
@@ -57,15 +70,18 @@ def evaluate_run(cfg: TrainConfig, run: RunDir, held_out: list[TrainPrompt]) -> 
     t0 = time.perf_counter()
     out: dict = {"prompts": len(prompts), "max_new_tokens": cfg.eval.max_new_tokens, "dtype": cfg.llm.eval_dtype,
                  "widths": list(tree.widths), "tree": asdict(tree), "singles": []}
+    # plain decoding in the same process and dtype: every speed below is relative to it
+    out["plain"] = plain = tau_of(engine_from_models(llm.model, [], tree), prompts, stop)
     runs = [(ssm_name(k + 1), [s.model]) for k, s in enumerate(ssms)]
     if len(ssms) > 1:
         runs.append(("ensemble", [s.model for s in ssms]))
     for name, models in tqdm(runs, desc="evaluate τ", unit="config", disable=None):
         r = tau_of(engine_from_models(llm.model, models, tree, ranking=ranking), prompts, stop)
+        r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
         if name == "ensemble":
             out["ensemble"] = r
         else:
-            out["singles"].append({"ssm": name, **r})
+            out["singles"].append({"ssm": name, **r, "c": relative_cost(r, plain, tree.max_depth)})
     best = max((s["tau"] for s in out["singles"]), default=0.0)
     if "ensemble" in out and best:
         out["ensemble_gain_over_best_single"] = out["ensemble"]["tau"] / best - 1
