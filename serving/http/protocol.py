@@ -1,8 +1,10 @@
 """The OpenAI wire format of `boosttune serve`: request schemas, their validation, response bodies.
 
-Requests are checked in three layers, each with its own status, so that clients learn what to fix:
+Requests are checked in layers, each with its own status, so that clients learn what to fix:
 
 - the body is not JSON, not UTF-8, or not a JSON object: 400 (``invalid_json``);
+- a string holds a lone UTF-16 surrogate (``"\\ud800"`` in JSON; no tokenizer takes it): 400
+  (``invalid_value``);
 - a field is missing or has the wrong JSON type (pydantic, strict: ``"5"`` is not a number and
   ``true`` is not an integer): 422 (``invalid_type`` / ``missing_required_parameter``);
 - a value is out of range, unsupported (n > 1, logprobs, penalties, tools) or does not fit the
@@ -200,9 +202,52 @@ def _max_tokens(requested: int | None, default: int, prompt_len: int, limits: Mo
     return requested
 
 
+def _is_unicode(s: str) -> bool:
+    """False if ``s`` holds a lone UTF-16 surrogate (JSON's ``"\\ud800"`` decodes to one), which no
+    tokenizer accepts and no UTF-8 response can echo."""
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _path(parts: list[str | int]) -> str:
+    """``["messages", 0, "content"]`` → ``messages[0].content``, as the client wrote the body."""
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
+    return out
+
+
+def _check_unicode(raw: dict) -> None:
+    """Refuse (400, naming the field) a body with a lone surrogate in any key or string value."""
+    stack: list[tuple[list[str | int], Any]] = [([], raw)]
+    while stack:  # iterative: bodies nest as deep as json.loads allows
+        path, value = stack.pop()
+        if isinstance(value, str):
+            bad = None if _is_unicode(value) else path
+        elif isinstance(value, dict):
+            bad = next((path + [k] for k in value if not _is_unicode(k)), None)
+            stack.extend((path + [k], v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((path + [i], v) for i, v in enumerate(value))
+            continue
+        else:
+            continue
+        if bad is not None:
+            shown = _path(bad).encode("utf-8", "backslashreplace").decode("utf-8")
+            param = bad[0] if len(bad) > 1 or isinstance(value, str) else None
+            raise APIError(400, f"'{shown}' holds a lone UTF-16 surrogate, which is not Unicode text: send "
+                           "characters outside the BMP as a surrogate pair or as UTF-8.", param, "invalid_value")
+
+
 def _validate(model: type[_Strict], raw: Any) -> Any:
     if not isinstance(raw, dict):
         raise APIError(400, f"The request body must be a JSON object, got {type(raw).__name__}.", None, "invalid_json")
+    _check_unicode(raw)
     try:
         return model.model_validate(raw)
     except ValidationError as e:

@@ -170,8 +170,16 @@ class _State:
         return out
 
 
+class _ErrorResponse(JSONResponse):
+    """An error body in ASCII JSON: messages quote what the client sent, and Starlette's UTF-8 rendering
+    would fail (a 500 instead of the error) on a lone surrogate that slipped through."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return _ErrorResponse(err.body(), status_code=err.status)
 
 
 async def _read_json(request: Request, limit: int) -> Any:
@@ -271,7 +279,7 @@ async def _answer(state: _State, req: GenerationRequest, sub: _Submission, reque
         while True:
             event = await sub.next(gone)
             if event is None:  # the client has gone: nobody reads this answer
-                return JSONResponse(APIError(499, "The client closed the request.", None, "cancelled").body(), 499)
+                return _error_response(APIError(499, "The client closed the request.", None, "cancelled"))
             if isinstance(event, CancelledEvent):
                 raise APIError(503, "The server is shutting down.", None, "shutting_down", type="server_error")
             if isinstance(event, FailedEvent):
