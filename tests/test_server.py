@@ -6,7 +6,10 @@ server down; a client that disconnects frees the engine at once."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -301,6 +304,63 @@ def test_server_still_serves_after_bad_requests(server, client):
     text, r = _greedy(client, PROMPTS[5], max_tokens=4)
     assert r.usage.completion_tokens == 4 and text
     assert _metric(server, "boosttune_failed_requests_total") == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_ends_open_streams_refuses_new_requests_and_exits_0(bundle_dir, tmp_path):
+    # `boosttune serve` in its own process (it inherits PYTHONPATH, so it runs this checkout's code).
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "serve.log").open("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "boosttune.cli", "serve", str(bundle_dir), "--port", str(port),
+                             "--model-name", MODEL, "--threads", "1", "--log-level", "warning"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            lines = (line for line in r.iter_lines() if line)
+            assert next(lines).startswith("data: {")
+            # a request whose body is still arriving when the signal comes: answered 503, not queued
+            late_body = json.dumps(OK).encode()
+            late = _raw_post(url, late_body[:10], declared_length=len(late_body))
+            time.sleep(0.2)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+            ended = time.monotonic() - signalled
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        err = json.loads(rest[-2].removeprefix("data: "))["error"]
+        assert err["code"] == "shutting_down" and err["type"] == "server_error" and set(err) == {
+            "message", "type", "param", "code"}
+        assert ended < 2.5, f"the stream ended {ended:.1f} s after SIGTERM (the grace period is 5 s)"
+        late.sendall(late_body[10:])
+        answer = late.makefile("rb").read().decode()
+        late.close()
+        assert answer.startswith("HTTP/1.1 503"), answer
+        assert json.loads(answer.split("\r\n\r\n", 1)[1])["error"]["code"] == "shutting_down"
+        assert proc.wait(30) == 0
+        assert time.monotonic() - signalled < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.seek(0)
+        output = log.read()
+        log.close()
+    assert "Traceback" not in output, output
 
 
 def test_text_stream_holds_back_partial_stop_strings(loaded):

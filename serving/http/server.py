@@ -12,6 +12,10 @@ that disconnects cancels its request: a stream's generator is cancelled by Starl
 non-streamed request waits for its events and for the ASGI disconnect message at once (a client that
 leaves before its body is read is counted as cancelled too, and nothing is queued). The wire format and the validation
 of requests are in ``protocol.py``, the metrics in ``metrics.py``.
+
+Shutdown (SIGTERM, Ctrl-C): new requests get 503 (``shutting_down``), open streams end at once with
+an error event and ``data: [DONE]``, waiting non-streamed requests get the 503, and then uvicorn
+closes the connections and the lifespan stops the worker; ``boosttune serve`` exits 0 on SIGTERM.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import socket
 import threading
 import time
@@ -27,6 +32,7 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -135,6 +141,14 @@ class _State:
         self.worker = EngineWorker(self.served, config.max_queue, on_finished=self._on_finished,
                                    threads=config.torch_threads)
         self.metrics = ServerMetrics(queue_depth=lambda: self.worker.queue_depth)
+        self.shutting_down = False  # event-loop thread only, as is ``open``
+        self.open: set[_Submission] = set()
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests (503) and end the open ones now; event-loop thread only."""
+        self.shutting_down = True
+        for sub in list(self.open):
+            sub.shut_down()
 
     def _on_finished(self, job: Job, event: Event) -> None:
         m = self.metrics
@@ -182,6 +196,11 @@ def _error_response(err: APIError) -> JSONResponse:
     return _ErrorResponse(err.body(), status_code=err.status)
 
 
+def _shutting_down() -> APIError:
+    return APIError(503, "The server is shutting down; retry on another instance or later.", None,
+                    "shutting_down", type="server_error")
+
+
 async def _read_json(request: Request, limit: int) -> Any:
     """The request body as JSON, refusing bodies over ``limit`` bytes (413) and malformed JSON (400)."""
     declared = request.headers.get("content-length")
@@ -223,12 +242,16 @@ class _Submission:
         self._getter: asyncio.Future | None = None
         self.first_token_seen = False
         self.generated_tokens = state.metrics.generated_tokens
+        if state.shutting_down:
+            raise _shutting_down()
         try:
             state.worker.submit(self.job)
         except QueueFullError as e:
             raise APIError(503, f"The server is busy ({e}); retry later.", None, "server_overloaded",
                            type="server_error") from None
         state.metrics.active.inc()
+        self._open = state.open
+        self._open.add(self)
 
     def _deliver(self, event: Event) -> None:  # worker thread
         if isinstance(event, TokensEvent):
@@ -253,8 +276,15 @@ class _Submission:
     def cancel(self) -> None:
         """Stop the job (if still queued or running) and the pending wait; event-loop thread only."""
         self.job.cancel.set()
+        self._open.discard(self)
         if self._getter is not None:
             self._getter.cancel()
+
+    def shut_down(self) -> None:
+        """The server is stopping: stop the job, and end the request now (the worker's own
+        :class:`CancelledEvent` comes only after the engine's current step); event-loop thread only."""
+        self.job.cancel.set()
+        self.events.put_nowait(CancelledEvent())
 
     async def cancel_async(self) -> None:
         """:meth:`cancel` as a coroutine, so Starlette runs it on the event loop (not a thread pool)."""
@@ -281,7 +311,7 @@ async def _answer(state: _State, req: GenerationRequest, sub: _Submission, reque
             if event is None:  # the client has gone: nobody reads this answer
                 return _error_response(APIError(499, "The client closed the request.", None, "cancelled"))
             if isinstance(event, CancelledEvent):
-                raise APIError(503, "The server is shutting down.", None, "shutting_down", type="server_error")
+                raise _shutting_down()
             if isinstance(event, FailedEvent):
                 raise APIError(500, f"The engine failed on this request: {event.message}", None, "engine_error")
             if isinstance(event, TokensEvent):
@@ -334,7 +364,9 @@ async def _stream(state: _State, req: GenerationRequest, sub: _Submission) -> As
                                     "engine_error").body())
                 yield _sse("[DONE]")
                 return
-            else:  # cancelled: the server is shutting down
+            else:  # cancelled: the server is shutting down (a client that leaves cancels this generator)
+                yield _sse(_shutting_down().body())
+                yield _sse("[DONE]")
                 return
     finally:
         sub.cancel()  # the client went away (Starlette cancels this generator) or we are done
@@ -394,8 +426,9 @@ def create_app(bundle: LoadedBundle, config: ServerConfig | None = None) -> Fast
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = state.worker.alive
-        body = {"status": "ok" if ok else "engine worker stopped", "model": state.model_name,
+        ok = state.worker.alive and not state.shutting_down
+        status = "shutting down" if state.shutting_down else "ok" if ok else "engine worker stopped"
+        body = {"status": status, "model": state.model_name,
                 "queue_depth": state.worker.queue_depth, "busy": state.worker.busy}
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -427,6 +460,25 @@ def create_app(bundle: LoadedBundle, config: ServerConfig | None = None) -> Fast
     return app
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server that, told to stop (a signal, or ``should_exit``), first ends the app's open
+    requests and refuses new ones, then lets uvicorn close the connections: otherwise streams would
+    generate on through the whole grace period and then be cut without an error or ``[DONE]``."""
+
+    def __init__(self, config: uvicorn.Config, state: _State):
+        super().__init__(config)
+        self.state = state
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.state.begin_shutdown()
+        await super().shutdown(sockets)
+
+
+def _server(app: FastAPI, **config: Any) -> _Server:
+    # the grace period is a backstop: open requests end at once (_Server), so connections close quickly
+    return _Server(uvicorn.Config(app, lifespan="on", timeout_graceful_shutdown=5, **config), app.state.boosttune)
+
+
 class ServerThread:
     """uvicorn serving an app on a background thread, on a port bound before it starts.
 
@@ -435,15 +487,12 @@ class ServerThread:
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import uvicorn
-
         self.host = host
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.port = self._sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on",
-                                                    timeout_graceful_shutdown=5))
+        self.server = _server(app, log_level=log_level)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
                                         name="uvicorn", daemon=True)
 
@@ -474,10 +523,21 @@ class ServerThread:
 
 def run_server(bundle: LoadedBundle, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
                log_level: str = "info") -> None:
-    """Serve ``bundle`` in the foreground until interrupted (Ctrl-C)."""
-    import uvicorn
-
+    """Serve ``bundle`` in the foreground until interrupted (Ctrl-C) or terminated (SIGTERM: returns
+    normally once the open requests have ended, so the process exits 0)."""
     app = create_app(bundle, config)
     name = app.state.boosttune.model_name
     print(f"boosttune serve: model {name!r} ({len(bundle.ssms)} SSMs) at http://{host}:{port}/v1", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server = _server(app, host=host, port=port, log_level=log_level)
+    # uvicorn handles SIGTERM itself, then raises it again once shut down, for the handler it found
+    # installed (the default one kills the process: exit status 143). A server that has ended its
+    # requests has stopped as asked, so that handler does nothing.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # the same: uvicorn raises Ctrl-C's SIGINT again after shutting down
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if not server.started:
+        raise SystemExit(3)  # as uvicorn.run: startup failed (uvicorn has logged why)
