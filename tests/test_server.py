@@ -298,6 +298,31 @@ def test_bad_requests_get_openai_errors(server, name, path, body, status, param)
     assert err["type"] == "invalid_request_error"
 
 
+# (path, body, status, param, the message names what the client sent, a misleading phrase it must not hold)
+MESSAGES = [
+    ("/v1/chat/completions", {**OK_CHAT, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 422,
+     "messages", "'messages[0].content[0].text'", "only text parts"),
+    ("/v1/chat/completions", {**OK_CHAT, "max_completion_tokens": -1}, 400, "max_completion_tokens",
+     "max_completion_tokens must be >= 1", "max_tokens must"),
+    ("/v1/chat/completions", {**OK_CHAT, "max_completion_tokens": 5000}, 400, "max_completion_tokens",
+     "max_completion_tokens asks for 5000", "max_tokens asks"),
+    ("/v1/completions", {**OK, "prompt": 5}, 422, "prompt",
+     "'prompt': expected string or array of strings or array of integers or array of arrays of integers; "
+     "got integer", "prompt.str"),
+    ("/v1/completions", {**OK, "stop": ["ok", 3]}, 422, "stop", "'stop[1]'", "list[str]"),
+    ("/v1/chat/completions", {**OK_CHAT, "messages": [{"role": "user", "content": [{"text": "Hi"}]}]}, 422,
+     "messages", "Missing required parameter: 'messages[0].content[0].type'", "ContentPart"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,says,not_says", MESSAGES, ids=[m[4] for m in MESSAGES])
+def test_error_messages_name_the_field_as_the_client_sent_it(server, path, body, status, param, says, not_says):
+    r = httpx.post(f"{server}{path}", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"] and not_says not in err["message"], err
+
+
 def test_server_still_serves_after_bad_requests(server, client):
     assert httpx.get(f"{server}/v1/completions").status_code == 405  # wrong method, OpenAI-style error too
     assert httpx.get(f"{server}/health").status_code == 200

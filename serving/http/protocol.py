@@ -147,13 +147,61 @@ class GenerationRequest:
     return_token_ids: bool
 
 
-def _schema_error(e: ValidationError) -> APIError:
-    err = e.errors()[0]
-    loc = [str(x) for x in err["loc"]]
-    param = loc[0] if loc else None
+_JSON_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "dict": "object"}
+
+
+def _json_type(tag: str, plural: bool = False) -> str:
+    """A pydantic union member's tag in JSON's words: ``list[list[int]]`` → "array of arrays of integers"."""
+    if tag.startswith("list[") and tag.endswith("]"):
+        return f"{'arrays' if plural else 'array'} of {_json_type(tag[5:-1], plural=True)}"
+    name = _JSON_TYPES.get(tag, "object")  # a model (ContentPart) is an object
+    return name + "s" if plural else name
+
+
+def _json_type_of(value: Any) -> str:
+    for t, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"),
+                    (dict, "object")):
+        if isinstance(value, t):
+            return name
+    return "null"
+
+
+def _client_loc(err: dict, raw: Any) -> tuple[list[str | int], list[str], Any]:
+    """Where a pydantic error is, as the client wrote the body: pydantic's ``loc`` also names the union
+    member it tried (``("prompt", "str")``); those steps are not in the body and are returned apart,
+    with the value found at the location."""
+    path: list[str | int] = []
+    tags: list[str] = []
+    node = raw
+    for i, part in enumerate(err["loc"]):
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif err["type"] == "missing" and i == len(err["loc"]) - 1:
+            node = None  # the missing field itself
+        else:
+            tags.append(str(part))
+            continue
+        path.append(part)
+    return path, tags, node
+
+
+def _schema_error(e: ValidationError, raw: dict) -> APIError:
+    """The error the client can act on: the deepest one (where the body got furthest into the schema),
+    named by its path in the body; at a union that nothing matched, the JSON types it takes."""
+    found = [(err, *_client_loc(err, raw)) for err in e.errors()]
+    err, path, tags, value = max(found, key=lambda f: len(f[1]))
+    where = _path(path)
+    param = str(path[0]) if path else None
     if err["type"] == "missing":
-        return APIError(422, f"Missing required parameter: '{'.'.join(loc)}'.", param, "missing_required_parameter")
-    return APIError(422, f"Invalid type for '{'.'.join(loc)}': {err['msg']}.", param, "invalid_type")
+        return APIError(422, f"Missing required parameter: '{where}'.", param, "missing_required_parameter")
+    members = [f[2][-1] for f in found if f[1] == path and f[2]]
+    if len(members) > 1:
+        expected = " or ".join(_json_type(m) for m in members)
+        return APIError(422, f"Invalid type for '{where}': expected {expected}; got {_json_type_of(value)}.", param,
+                        "invalid_type")
+    return APIError(422, f"Invalid type for '{where}': {err['msg']}.", param, "invalid_type")
 
 
 def _check(ok: bool, message: str, param: str, code: str = "invalid_value") -> None:
@@ -189,16 +237,18 @@ def _common(body: _SamplingFields, limits: ModelLimits) -> tuple[SamplingParams,
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=body.seed), stops
 
 
-def _max_tokens(requested: int | None, default: int, prompt_len: int, limits: ModelLimits, prompt_param: str) -> int:
+def _max_tokens(requested: int | None, field: str, default: int, prompt_len: int, limits: ModelLimits,
+                prompt_param: str) -> int:
+    """``requested`` (sent as ``field``) checked against the room the prompt leaves, or the default."""
     room = limits.context_length - prompt_len
     _check(room >= 1, f"This model's maximum context length is {limits.context_length} tokens, but the prompt has "
            f"{prompt_len} tokens; shorten it.", prompt_param, "context_length_exceeded")
     if requested is None:
         return min(default, room)
-    _check(requested >= 1, f"max_tokens must be >= 1, got {requested}.", "max_tokens")
+    _check(requested >= 1, f"{field} must be >= 1, got {requested}.", field)
     _check(requested <= room, f"This model's maximum context length is {limits.context_length} tokens; the prompt "
-           f"has {prompt_len} and max_tokens asks for {requested}: lower max_tokens to at most {room}.",
-           "max_tokens", "context_length_exceeded")
+           f"has {prompt_len} and {field} asks for {requested}: lower {field} to at most {room}.",
+           field, "context_length_exceeded")
     return requested
 
 
@@ -251,7 +301,7 @@ def _validate(model: type[_Strict], raw: Any) -> Any:
     try:
         return model.model_validate(raw)
     except ValidationError as e:
-        raise _schema_error(e) from None
+        raise _schema_error(e, raw) from None
 
 
 def _completion_prompt(body: CompletionBody, tokenizer, limits: ModelLimits) -> list[int]:
@@ -279,7 +329,7 @@ def parse_completion(raw: Any, tokenizer, limits: ModelLimits) -> GenerationRequ
     _check(body.best_of in (None, 1), "best_of > 1 is not supported.", "best_of", "unsupported_parameter")
     _check(not body.suffix, "suffix is not supported.", "suffix", "unsupported_parameter")
     ids = _completion_prompt(body, tokenizer, limits)
-    max_tokens = _max_tokens(body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(ids), limits, "prompt")
+    max_tokens = _max_tokens(body.max_tokens, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, len(ids), limits, "prompt")
     return GenerationRequest(
         kind="completion", prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
         stream=bool(body.stream), include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -292,9 +342,11 @@ def _message_text(msg: ChatMessageBody, i: int) -> str:
         return msg.content or ""
     parts = []
     for j, part in enumerate(msg.content):
-        _check(part.type == "text" and part.text is not None,
-               f"messages[{i}].content[{j}]: only text parts are supported, got type {part.type!r}.",
-               "messages", "unsupported_parameter")
+        _check(part.type == "text", f"messages[{i}].content[{j}]: only text parts are supported, got type "
+               f"{part.type!r}.", "messages", "unsupported_parameter")
+        if part.text is None:
+            raise APIError(422, f"Missing required parameter: 'messages[{i}].content[{j}].text' (a text part holds "
+                           "its text there).", "messages", "missing_required_parameter")
         parts.append(part.text)
     return "".join(parts)
 
@@ -326,14 +378,9 @@ def parse_chat(raw: Any, tokenizer, limits: ModelLimits) -> GenerationRequest:
         ids = chat_prompt_ids(tokenizer, messages)
     except Exception as e:  # the template may raise (e.g. roles that must alternate): the client's to fix
         raise APIError(400, f"The chat template refused these messages: {e}", "messages") from None
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    try:
-        max_tokens = _max_tokens(requested, limits.default_max_tokens, len(ids), limits, "messages")
-    except APIError as e:
-        if e.param == "max_tokens":
-            e.param = param
-        raise
+    # OpenAI's newer name wins when a client sends both
+    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = _max_tokens(getattr(body, field), field, limits.default_max_tokens, len(ids), limits, "messages")
     return GenerationRequest(
         kind="chat", prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
         stream=bool(body.stream), include_usage=bool(body.stream_options and body.stream_options.include_usage),
