@@ -323,6 +323,14 @@ def test_error_messages_name_the_field_as_the_client_sent_it(server, path, body,
     assert err["param"] == param and says in err["message"] and not_says not in err["message"], err
 
 
+def test_no_api_docs_and_head_health(server):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        r = httpx.get(f"{server}{path}")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (path, r.text)
+    r = httpx.head(f"{server}/health")
+    assert r.status_code == 200 and r.content == b""
+
+
 def test_server_still_serves_after_bad_requests(server, client):
     assert httpx.get(f"{server}/v1/completions").status_code == 405  # wrong method, OpenAI-style error too
     assert httpx.get(f"{server}/health").status_code == 200

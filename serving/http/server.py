@@ -21,13 +21,15 @@ closes the connections and the lifespan stops the worker; ``boosttune serve`` ex
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import signal
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -123,6 +125,11 @@ class _State:
         self.model_name = config.model_name or bundle.root.resolve().name
         self.created = int(time.time())
         self.tokenizer = bundle.llm.tokenizer  # event-loop thread only
+        # Requests are validated and tokenised on a thread of their own (a 1 MB prompt takes seconds, which
+        # the event loop must not wait for), with their own copy of the tokenizer for the same reason
+        # as the worker's below.
+        self.parse_pool = ThreadPoolExecutor(1, thread_name_prefix="boosttune-parse")
+        self.parse_tokenizer = copy.deepcopy(self.tokenizer)
         # The worker decodes for stop strings on its own thread: give it its own tokenizer object
         # (a Rust tokenizer shared across threads can fail with "Already borrowed").
         self.worker_tokenizer = AutoTokenizer.from_pretrained(bundle.root / bundle.manifest.tokenizer)
@@ -160,6 +167,11 @@ class _State:
             m.cancelled.inc()
         elif isinstance(event, FailedEvent):
             m.failed.inc()
+
+    async def parse(self, parse: Callable[[Any, Any, ModelLimits], GenerationRequest], raw: Any) -> GenerationRequest:
+        """``parse_completion`` or ``parse_chat`` of ``raw`` on the parsing thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.parse_pool, parse, raw, self.parse_tokenizer, self.limits)
 
     def model_card(self) -> dict:
         b = self.bundle
@@ -394,8 +406,11 @@ def create_app(bundle: LoadedBundle, config: ServerConfig | None = None) -> Fast
             yield
         finally:
             state.worker.close()
+            state.parse_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="boosttune", lifespan=lifespan)
+    # No /docs, /redoc or /openapi.json: the handlers read raw JSON, so FastAPI's generated schema would
+    # describe none of the API (README and protocol.py do).
+    app = FastAPI(title="boosttune", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.boosttune = state
     app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics, endpoints=ENDPOINTS)
 
@@ -424,7 +439,7 @@ def create_app(bundle: LoadedBundle, config: ServerConfig | None = None) -> Fast
         log.exception("unhandled error on %s", request.url.path)
         return _error_response(APIError(500, f"Internal server error: {type(exc).__name__}", None, "internal_error"))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes that only look at the status
     async def health() -> JSONResponse:
         ok = state.worker.alive and not state.shutting_down
         status = "shutting down" if state.shutting_down else "ok" if ok else "engine worker stopped"
@@ -450,12 +465,12 @@ def create_app(bundle: LoadedBundle, config: ServerConfig | None = None) -> Fast
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         raw = await _read_json(request, state.config.max_body_bytes)
-        return await _generate(state, request, parse_completion(raw, state.tokenizer, state.limits))
+        return await _generate(state, request, await state.parse(parse_completion, raw))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         raw = await _read_json(request, state.config.max_body_bytes)
-        return await _generate(state, request, parse_chat(raw, state.tokenizer, state.limits))
+        return await _generate(state, request, await state.parse(parse_chat, raw))
 
     return app
 
