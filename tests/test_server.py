@@ -312,6 +312,8 @@ MESSAGES = [
     ("/v1/completions", {**OK, "stop": ["ok", 3]}, 422, "stop", "'stop[1]'", "list[str]"),
     ("/v1/chat/completions", {**OK_CHAT, "messages": [{"role": "user", "content": [{"text": "Hi"}]}]}, 422,
      "messages", "Missing required parameter: 'messages[0].content[0].type'", "ContentPart"),
+    ("/v1/chat/completions", {**OK_CHAT, "messages": [{"role": "user", "content": [["Hi"]]}]}, 422,
+     "messages", "'messages[0].content[0]': Input should be a JSON object", "ContentPart"),
 ]
 
 

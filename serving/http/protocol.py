@@ -201,7 +201,9 @@ def _schema_error(e: ValidationError, raw: dict) -> APIError:
         expected = " or ".join(_json_type(m) for m in members)
         return APIError(422, f"Invalid type for '{where}': expected {expected}; got {_json_type_of(value)}.", param,
                         "invalid_type")
-    return APIError(422, f"Invalid type for '{where}': {err['msg']}.", param, "invalid_type")
+    # "a valid dictionary or instance of ContentPart" names a Python class: say what JSON it wants
+    msg = "Input should be a JSON object" if err["type"] in ("model_type", "dict_type") else err["msg"]
+    return APIError(422, f"Invalid type for '{where}': {msg}.", param, "invalid_type")
 
 
 def _check(ok: bool, message: str, param: str, code: str = "invalid_value") -> None:

@@ -2,15 +2,17 @@
 
 Endpoints: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (streaming as server-sent events ending with ``data: [DONE]``),
-``GET /health``, ``GET /metrics`` (Prometheus). Responses carry OpenAI's ``usage`` counts and a
-``boosttune`` object with the speculative statistics (τ, steps, accept lengths, SSMs and their hits,
-queue and engine seconds); streams carry it in the chunk that holds the finish reason.
+``GET``/``HEAD /health``, ``GET /metrics`` (Prometheus); no generated API docs. Responses carry
+OpenAI's ``usage`` counts and a ``boosttune`` object with the speculative statistics (τ, steps,
+accept lengths, SSMs and their hits, queue and engine seconds); streams carry it in the chunk that
+holds the finish reason.
 
-One engine worker thread (``worker.py``) serves the requests in arrival order; the HTTP
-layer accepts any number concurrently and queues them (``max_queue`` waiting, then 503). A client
-that disconnects cancels its request: a stream's generator is cancelled by Starlette, and a
-non-streamed request waits for its events and for the ASGI disconnect message at once (a client that
-leaves before its body is read is counted as cancelled too, and nothing is queued). The wire format and the validation
+One engine worker thread (``worker.py``) serves the requests in arrival order; the HTTP layer
+accepts any number concurrently, validates and tokenises them on a thread of its own (off the event
+loop) and queues them (``max_queue`` waiting, then 503). A client that disconnects cancels its
+request: a stream's generator is cancelled by Starlette, and a non-streamed request waits for its
+events and for the ASGI disconnect message at once (a client that leaves before its body is read is
+counted as cancelled too, and nothing is queued). The wire format and the validation
 of requests are in ``protocol.py``, the metrics in ``metrics.py``.
 
 Shutdown (SIGTERM, Ctrl-C): new requests get 503 (``shutting_down``), open streams end at once with
