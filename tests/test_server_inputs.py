@@ -70,7 +70,8 @@ _message = st.fixed_dictionaries({"role": st.sampled_from(["system", "developer"
 # Values the server accepts as to type and range (strings may still hold lone surrogates). max_tokens
 # stays at 1-2, so that a request that passes validation costs the engine a token or two.
 _VALID = {
-    "temperature": _unit(0, 2), "top_p": _unit(0.01, 1), "top_k": st.integers(0, 100), "n": st.just(1),
+    # 1e-300: dividing logits by it overflows fp32 (the engine failed with a 500)
+    "temperature": _unit(0, 2) | st.sampled_from([1e-300, 1e-40, 1e-6]), "top_p": _unit(0.01, 1), "top_k": st.integers(0, 100), "n": st.just(1),
     "seed": st.integers(-(2**63), 2**64 - 1), "stop": _text | st.lists(_text, max_size=4), "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), "presence_penalty": st.just(0),
     "frequency_penalty": st.just(0.0), "logit_bias": st.just({}), "user": _text, "return_token_ids": st.booleans(),
@@ -159,3 +160,13 @@ def test_a_1mb_prompt_is_tokenised_off_the_event_loop(server, http):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert done["seconds"] > 0.5 and len(waits) > 3, done  # long enough for the health checks to tell
     assert max(waits) < done["seconds"] / 4, (max(waits), done["seconds"])
+
+
+def test_a_tiny_temperature_samples_greedily(http):
+    def tokens(temperature: float) -> list[int]:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 4,
+                                               "temperature": temperature, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r.json()["boosttune"]["token_ids"]
+
+    assert tokens(1e-300) == tokens(1e-40) == tokens(0)
