@@ -363,7 +363,8 @@ def test_sigterm_ends_open_streams_refuses_new_requests_and_exits_0(bundle_dir, 
                 if httpx.get(f"{url}/health").status_code == 200:
                     break
             except httpx.TransportError:
-                time.sleep(0.2)
+                pass
+            time.sleep(0.2)
         body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
             lines = (line for line in r.iter_lines() if line)
