@@ -152,12 +152,18 @@ class _State:
         self.metrics = ServerMetrics(queue_depth=lambda: self.worker.queue_depth)
         self.shutting_down = False  # event-loop thread only, as is ``open``
         self.open: set[_Submission] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once the lifespan starts
 
     def begin_shutdown(self) -> None:
         """Refuse new requests (503) and end the open ones now; event-loop thread only."""
         self.shutting_down = True
         for sub in list(self.open):
             sub.shut_down()
+
+    def request_shutdown(self) -> None:
+        """:meth:`begin_shutdown` from any thread (or a signal handler)."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.begin_shutdown)
 
     def _on_finished(self, job: Job, event: Event) -> None:
         m = self.metrics
@@ -402,6 +408,8 @@ def create_app(bundle: LoadedBundle, config: ServerConfig | None = None) -> Fast
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
+        _forward_stop_signals(state)
         warmup = list(state.tokenizer("Hello")["input_ids"]) if state.config.warmup else None
         state.worker.start(warmup_ids=warmup or None)
         try:
@@ -477,23 +485,29 @@ def create_app(bundle: LoadedBundle, config: ServerConfig | None = None) -> Fast
     return app
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server that, told to stop (a signal, or ``should_exit``), first ends the app's open
-    requests and refuses new ones, then lets uvicorn close the connections: otherwise streams would
-    generate on through the whole grace period and then be cut without an error or ``[DONE]``."""
+def _forward_stop_signals(state: _State) -> None:
+    """Begin the app's shutdown the moment uvicorn is told to stop by a signal.
 
-    def __init__(self, config: uvicorn.Config, state: _State):
-        super().__init__(config)
-        self.state = state
+    uvicorn (>= 0.29) handles SIGINT and SIGTERM with ``Server.handle_exit`` (installed before the
+    lifespan starts), then waits for open connections, up to its grace period, before the lifespan's
+    shutdown tells the app: streams would generate on through the grace period and then be cut without
+    an error or ``[DONE]``. So its handlers are wrapped to end the open requests first. Signal handlers
+    belong to the main thread; a server on another thread is stopped by ``ServerThread.stop``, which
+    does the same.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if not isinstance(getattr(handler, "__self__", None), uvicorn.Server):
+            continue  # not uvicorn's handler: leave it alone
 
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        self.state.begin_shutdown()
-        await super().shutdown(sockets)
+        def forward(signum: int, frame: Any, handler: Callable = handler) -> None:
+            state.request_shutdown()
+            handler(signum, frame)
 
-
-def _server(app: FastAPI, **config: Any) -> _Server:
-    # the grace period is a backstop: open requests end at once (_Server), so connections close quickly
-    return _Server(uvicorn.Config(app, lifespan="on", timeout_graceful_shutdown=5, **config), app.state.boosttune)
+        # uvicorn puts back the handlers it found when it stops, so this goes with it
+        signal.signal(sig, forward)
 
 
 class ServerThread:
@@ -509,7 +523,10 @@ class ServerThread:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.port = self._sock.getsockname()[1]
-        self.server = _server(app, log_level=log_level)
+        self.state: _State = app.state.boosttune
+        # the grace period is a backstop: stop() ends the open requests first, so connections close at once
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on",
+                                                    timeout_graceful_shutdown=5))
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
                                         name="uvicorn", daemon=True)
 
@@ -527,6 +544,7 @@ class ServerThread:
         return self.url
 
     def stop(self, timeout: float = 30.0) -> None:
+        self.state.request_shutdown()
         self.server.should_exit = True
         self._thread.join(timeout)
         self._sock.close()
@@ -545,16 +563,21 @@ def run_server(bundle: LoadedBundle, config: ServerConfig, host: str = "127.0.0.
     app = create_app(bundle, config)
     name = app.state.boosttune.model_name
     print(f"boosttune serve: model {name!r} ({len(bundle.ssms)} SSMs) at http://{host}:{port}/v1", flush=True)
-    server = _server(app, host=host, port=port, log_level=log_level)
     # uvicorn handles SIGTERM itself, then raises it again once shut down, for the handler it found
-    # installed (the default one kills the process: exit status 143). A server that has ended its
-    # requests has stopped as asked, so that handler does nothing.
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    # (the default one kills the process: exit status 143). A server that has ended its requests has
+    # stopped as asked: that handler ends run_server instead (and stops a server not yet serving).
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        server.run()
-    except KeyboardInterrupt:  # the same: uvicorn raises Ctrl-C's SIGINT again after shutting down
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    except _Terminated:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if not server.started:
-        raise SystemExit(3)  # as uvicorn.run: startup failed (uvicorn has logged why)
+
+
+class _Terminated(Exception):
+    """SIGTERM outside uvicorn's own handling of it: raised again after its shutdown, or before it serves."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise _Terminated
