@@ -1,7 +1,8 @@
 """`boosttune serve`: a real uvicorn server on a free local port, talked to with the official openai
 client and with raw httpx requests. Greedy answers must equal `boosttune generate` and plain
 incremental decoding token for token (fp32); bad requests get OpenAI-style errors and never take the
-server down; a client that disconnects frees the engine at once."""
+server down; a client that disconnects frees the engine at once; SIGTERM ends open streams with an
+error event and [DONE], and `boosttune serve` exits 0."""
 
 from __future__ import annotations
 

@@ -194,7 +194,7 @@ def _schema_error(e: ValidationError, raw: dict) -> APIError:
     """The error the client can act on: the deepest one (where the body got furthest into the schema),
     named by its path in the body; at a union that nothing matched, the JSON types it takes."""
     found = [(err, *_client_loc(err, raw)) for err in e.errors()]
-    err, path, tags, value = max(found, key=lambda f: len(f[1]))
+    err, path, _, value = max(found, key=lambda f: len(f[1]))
     where = _path(path)
     param = str(path[0]) if path else None
     if err["type"] == "missing":
