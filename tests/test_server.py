@@ -1,12 +1,16 @@
 """`boosttune serve`: a real uvicorn server on a free local port, talked to with the official openai
 client and with raw httpx requests. Greedy answers must equal `boosttune generate` and plain
 incremental decoding token for token (fp32); bad requests get OpenAI-style errors and never take the
-server down; a client that disconnects frees the engine at once."""
+server down; a client that disconnects frees the engine at once; SIGTERM ends open streams with an
+error event and [DONE], and `boosttune serve` exits 0."""
 
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -295,12 +299,105 @@ def test_bad_requests_get_openai_errors(server, name, path, body, status, param)
     assert err["type"] == "invalid_request_error"
 
 
+# (path, body, status, param, the message names what the client sent, a misleading phrase it must not hold)
+MESSAGES = [
+    ("/v1/chat/completions", {**OK_CHAT, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 422,
+     "messages", "'messages[0].content[0].text'", "only text parts"),
+    ("/v1/chat/completions", {**OK_CHAT, "max_completion_tokens": -1}, 400, "max_completion_tokens",
+     "max_completion_tokens must be >= 1", "max_tokens must"),
+    ("/v1/chat/completions", {**OK_CHAT, "max_completion_tokens": 5000}, 400, "max_completion_tokens",
+     "max_completion_tokens asks for 5000", "max_tokens asks"),
+    ("/v1/completions", {**OK, "prompt": 5}, 422, "prompt",
+     "'prompt': expected string or array of strings or array of integers or array of arrays of integers; "
+     "got integer", "prompt.str"),
+    ("/v1/completions", {**OK, "stop": ["ok", 3]}, 422, "stop", "'stop[1]'", "list[str]"),
+    ("/v1/chat/completions", {**OK_CHAT, "messages": [{"role": "user", "content": [{"text": "Hi"}]}]}, 422,
+     "messages", "Missing required parameter: 'messages[0].content[0].type'", "ContentPart"),
+    ("/v1/chat/completions", {**OK_CHAT, "messages": [{"role": "user", "content": [["Hi"]]}]}, 422,
+     "messages", "'messages[0].content[0]': Input should be a JSON object", "ContentPart"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,says,not_says", MESSAGES, ids=[m[4] for m in MESSAGES])
+def test_error_messages_name_the_field_as_the_client_sent_it(server, path, body, status, param, says, not_says):
+    r = httpx.post(f"{server}{path}", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"] and not_says not in err["message"], err
+
+
+def test_no_api_docs_and_head_health(server):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        r = httpx.get(f"{server}{path}")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (path, r.text)
+    r = httpx.head(f"{server}/health")
+    assert r.status_code == 200 and r.content == b""
+
+
 def test_server_still_serves_after_bad_requests(server, client):
     assert httpx.get(f"{server}/v1/completions").status_code == 405  # wrong method, OpenAI-style error too
     assert httpx.get(f"{server}/health").status_code == 200
     text, r = _greedy(client, PROMPTS[5], max_tokens=4)
     assert r.usage.completion_tokens == 4 and text
     assert _metric(server, "boosttune_failed_requests_total") == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_ends_open_streams_refuses_new_requests_and_exits_0(bundle_dir, tmp_path):
+    # `boosttune serve` in its own process (it inherits PYTHONPATH, so it runs this checkout's code).
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "serve.log").open("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "boosttune.cli", "serve", str(bundle_dir), "--port", str(port),
+                             "--model-name", MODEL, "--threads", "1", "--log-level", "warning"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            lines = (line for line in r.iter_lines() if line)
+            assert next(lines).startswith("data: {")
+            # a request whose body is still arriving when the signal comes: answered 503, not queued
+            late_body = json.dumps(OK).encode()
+            late = _raw_post(url, late_body[:10], declared_length=len(late_body))
+            time.sleep(0.2)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+            ended = time.monotonic() - signalled
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        err = json.loads(rest[-2].removeprefix("data: "))["error"]
+        assert err["code"] == "shutting_down" and err["type"] == "server_error" and set(err) == {
+            "message", "type", "param", "code"}
+        assert ended < 2.5, f"the stream ended {ended:.1f} s after SIGTERM (the grace period is 5 s)"
+        late.sendall(late_body[10:])
+        answer = late.makefile("rb").read().decode()
+        late.close()
+        assert answer.startswith("HTTP/1.1 503"), answer
+        assert json.loads(answer.split("\r\n\r\n", 1)[1])["error"]["code"] == "shutting_down"
+        assert proc.wait(30) == 0
+        assert time.monotonic() - signalled < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.seek(0)
+        output = log.read()
+        log.close()
+    assert "Traceback" not in output, output
 
 
 def test_text_stream_holds_back_partial_stop_strings(loaded):

@@ -1,8 +1,10 @@
 """The OpenAI wire format of `boosttune serve`: request schemas, their validation, response bodies.
 
-Requests are checked in three layers, each with its own status, so that clients learn what to fix:
+Requests are checked in layers, each with its own status, so that clients learn what to fix:
 
 - the body is not JSON, not UTF-8, or not a JSON object: 400 (``invalid_json``);
+- a string holds a lone UTF-16 surrogate (``"\\ud800"`` in JSON; no tokenizer takes it): 400
+  (``invalid_value``);
 - a field is missing or has the wrong JSON type (pydantic, strict: ``"5"`` is not a number and
   ``true`` is not an integer): 422 (``invalid_type`` / ``missing_required_parameter``);
 - a value is out of range, unsupported (n > 1, logprobs, penalties, tools) or does not fit the
@@ -28,6 +30,9 @@ from boosttune.serving.sampling import SamplingParams
 MAX_STOP_STRINGS = 4
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: clients that want greedy send temperature 0
+# Lower temperatures sample greedily, as in vLLM: the T → 0 limit, up to ties, and logits / T would
+# overflow fp32 below about 1e-36 (the engine failed on 1e-300 with NaN probabilities).
+GREEDY_BELOW = 1e-5
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -145,13 +150,63 @@ class GenerationRequest:
     return_token_ids: bool
 
 
-def _schema_error(e: ValidationError) -> APIError:
-    err = e.errors()[0]
-    loc = [str(x) for x in err["loc"]]
-    param = loc[0] if loc else None
+_JSON_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "dict": "object"}
+
+
+def _json_type(tag: str, plural: bool = False) -> str:
+    """A pydantic union member's tag in JSON's words: ``list[list[int]]`` → "array of arrays of integers"."""
+    if tag.startswith("list[") and tag.endswith("]"):
+        return f"{'arrays' if plural else 'array'} of {_json_type(tag[5:-1], plural=True)}"
+    name = _JSON_TYPES.get(tag, "object")  # a model (ContentPart) is an object
+    return name + "s" if plural else name
+
+
+def _json_type_of(value: Any) -> str:
+    for t, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"),
+                    (dict, "object")):
+        if isinstance(value, t):
+            return name
+    return "null"
+
+
+def _client_loc(err: dict, raw: Any) -> tuple[list[str | int], list[str], Any]:
+    """Where a pydantic error is, as the client wrote the body: pydantic's ``loc`` also names the union
+    member it tried (``("prompt", "str")``); those steps are not in the body and are returned apart,
+    with the value found at the location."""
+    path: list[str | int] = []
+    tags: list[str] = []
+    node = raw
+    for i, part in enumerate(err["loc"]):
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif err["type"] == "missing" and i == len(err["loc"]) - 1:
+            node = None  # the missing field itself
+        else:
+            tags.append(str(part))
+            continue
+        path.append(part)
+    return path, tags, node
+
+
+def _schema_error(e: ValidationError, raw: dict) -> APIError:
+    """The error the client can act on: the deepest one (where the body got furthest into the schema),
+    named by its path in the body; at a union that nothing matched, the JSON types it takes."""
+    found = [(err, *_client_loc(err, raw)) for err in e.errors()]
+    err, path, _, value = max(found, key=lambda f: len(f[1]))
+    where = _path(path)
+    param = str(path[0]) if path else None
     if err["type"] == "missing":
-        return APIError(422, f"Missing required parameter: '{'.'.join(loc)}'.", param, "missing_required_parameter")
-    return APIError(422, f"Invalid type for '{'.'.join(loc)}': {err['msg']}.", param, "invalid_type")
+        return APIError(422, f"Missing required parameter: '{where}'.", param, "missing_required_parameter")
+    members = [f[2][-1] for f in found if f[1] == path and f[2]]
+    if len(members) > 1:
+        expected = " or ".join(_json_type(m) for m in members)
+        return APIError(422, f"Invalid type for '{where}': expected {expected}; got {_json_type_of(value)}.", param,
+                        "invalid_type")
+    # "a valid dictionary or instance of ContentPart" names a Python class: say what JSON it wants
+    msg = "Input should be a JSON object" if err["type"] in ("model_type", "dict_type") else err["msg"]
+    return APIError(422, f"Invalid type for '{where}': {msg}.", param, "invalid_type")
 
 
 def _check(ok: bool, message: str, param: str, code: str = "invalid_value") -> None:
@@ -168,6 +223,8 @@ def _common(body: _SamplingFields, limits: ModelLimits) -> tuple[SamplingParams,
     top_p = 1.0 if body.top_p is None else body.top_p
     top_k = 0 if body.top_k is None else body.top_k
     _check(0.0 <= temperature <= 2.0, f"temperature must be between 0 and 2 (0 = greedy), got {temperature}.", "temperature")
+    if temperature < GREEDY_BELOW:
+        temperature = 0.0
     _check(0.0 < top_p <= 1.0, f"top_p must be in (0, 1], got {top_p}.", "top_p")
     _check(top_k >= 0, f"top_k must be >= 0 (0 disables it), got {top_k}.", "top_k")
     n = 1 if body.n is None else body.n
@@ -187,26 +244,71 @@ def _common(body: _SamplingFields, limits: ModelLimits) -> tuple[SamplingParams,
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=body.seed), stops
 
 
-def _max_tokens(requested: int | None, default: int, prompt_len: int, limits: ModelLimits, prompt_param: str) -> int:
+def _max_tokens(requested: int | None, field: str, default: int, prompt_len: int, limits: ModelLimits,
+                prompt_param: str) -> int:
+    """``requested`` (sent as ``field``) checked against the room the prompt leaves, or the default."""
     room = limits.context_length - prompt_len
     _check(room >= 1, f"This model's maximum context length is {limits.context_length} tokens, but the prompt has "
            f"{prompt_len} tokens; shorten it.", prompt_param, "context_length_exceeded")
     if requested is None:
         return min(default, room)
-    _check(requested >= 1, f"max_tokens must be >= 1, got {requested}.", "max_tokens")
+    _check(requested >= 1, f"{field} must be >= 1, got {requested}.", field)
     _check(requested <= room, f"This model's maximum context length is {limits.context_length} tokens; the prompt "
-           f"has {prompt_len} and max_tokens asks for {requested}: lower max_tokens to at most {room}.",
-           "max_tokens", "context_length_exceeded")
+           f"has {prompt_len} and {field} asks for {requested}: lower {field} to at most {room}.",
+           field, "context_length_exceeded")
     return requested
+
+
+def _is_unicode(s: str) -> bool:
+    """False if ``s`` holds a lone UTF-16 surrogate (JSON's ``"\\ud800"`` decodes to one), which no
+    tokenizer accepts and no UTF-8 response can echo."""
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _path(parts: list[str | int]) -> str:
+    """``["messages", 0, "content"]`` → ``messages[0].content``, as the client wrote the body."""
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
+    return out
+
+
+def _check_unicode(raw: dict) -> None:
+    """Refuse (400, naming the field) a body with a lone surrogate in any key or string value."""
+    stack: list[tuple[list[str | int], Any]] = [([], raw)]
+    while stack:  # iterative: bodies nest as deep as json.loads allows
+        path, value = stack.pop()
+        if isinstance(value, str):
+            bad = None if _is_unicode(value) else path
+        elif isinstance(value, dict):
+            bad = next((path + [k] for k in value if not _is_unicode(k)), None)
+            stack.extend((path + [k], v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((path + [i], v) for i, v in enumerate(value))
+            continue
+        else:
+            continue
+        if bad is not None:
+            shown = _path(bad).encode("utf-8", "backslashreplace").decode("utf-8")
+            param = bad[0] if len(bad) > 1 or isinstance(value, str) else None
+            raise APIError(400, f"'{shown}' holds a lone UTF-16 surrogate, which is not Unicode text: send "
+                           "characters outside the BMP as a surrogate pair or as UTF-8.", param, "invalid_value")
 
 
 def _validate(model: type[_Strict], raw: Any) -> Any:
     if not isinstance(raw, dict):
         raise APIError(400, f"The request body must be a JSON object, got {type(raw).__name__}.", None, "invalid_json")
+    _check_unicode(raw)
     try:
         return model.model_validate(raw)
     except ValidationError as e:
-        raise _schema_error(e) from None
+        raise _schema_error(e, raw) from None
 
 
 def _completion_prompt(body: CompletionBody, tokenizer, limits: ModelLimits) -> list[int]:
@@ -234,7 +336,7 @@ def parse_completion(raw: Any, tokenizer, limits: ModelLimits) -> GenerationRequ
     _check(body.best_of in (None, 1), "best_of > 1 is not supported.", "best_of", "unsupported_parameter")
     _check(not body.suffix, "suffix is not supported.", "suffix", "unsupported_parameter")
     ids = _completion_prompt(body, tokenizer, limits)
-    max_tokens = _max_tokens(body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(ids), limits, "prompt")
+    max_tokens = _max_tokens(body.max_tokens, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, len(ids), limits, "prompt")
     return GenerationRequest(
         kind="completion", prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
         stream=bool(body.stream), include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -247,9 +349,11 @@ def _message_text(msg: ChatMessageBody, i: int) -> str:
         return msg.content or ""
     parts = []
     for j, part in enumerate(msg.content):
-        _check(part.type == "text" and part.text is not None,
-               f"messages[{i}].content[{j}]: only text parts are supported, got type {part.type!r}.",
-               "messages", "unsupported_parameter")
+        _check(part.type == "text", f"messages[{i}].content[{j}]: only text parts are supported, got type "
+               f"{part.type!r}.", "messages", "unsupported_parameter")
+        if part.text is None:
+            raise APIError(422, f"Missing required parameter: 'messages[{i}].content[{j}].text' (a text part holds "
+                           "its text there).", "messages", "missing_required_parameter")
         parts.append(part.text)
     return "".join(parts)
 
@@ -281,14 +385,9 @@ def parse_chat(raw: Any, tokenizer, limits: ModelLimits) -> GenerationRequest:
         ids = chat_prompt_ids(tokenizer, messages)
     except Exception as e:  # the template may raise (e.g. roles that must alternate): the client's to fix
         raise APIError(400, f"The chat template refused these messages: {e}", "messages") from None
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    try:
-        max_tokens = _max_tokens(requested, limits.default_max_tokens, len(ids), limits, "messages")
-    except APIError as e:
-        if e.param == "max_tokens":
-            e.param = param
-        raise
+    # OpenAI's newer name wins when a client sends both
+    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = _max_tokens(getattr(body, field), field, limits.default_max_tokens, len(ids), limits, "messages")
     return GenerationRequest(
         kind="chat", prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
         stream=bool(body.stream), include_usage=bool(body.stream_options and body.stream_options.include_usage),

@@ -2,31 +2,41 @@
 
 Endpoints: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (streaming as server-sent events ending with ``data: [DONE]``),
-``GET /health``, ``GET /metrics`` (Prometheus). Responses carry OpenAI's ``usage`` counts and a
-``boosttune`` object with the speculative statistics (τ, steps, accept lengths, SSMs and their hits,
-queue and engine seconds); streams carry it in the chunk that holds the finish reason.
+``GET``/``HEAD /health``, ``GET /metrics`` (Prometheus); no generated API docs. Responses carry
+OpenAI's ``usage`` counts and a ``boosttune`` object with the speculative statistics (τ, steps,
+accept lengths, SSMs and their hits, queue and engine seconds); streams carry it in the chunk that
+holds the finish reason.
 
-One engine worker thread (``worker.py``) serves the requests in arrival order; the HTTP
-layer accepts any number concurrently and queues them (``max_queue`` waiting, then 503). A client
-that disconnects cancels its request: a stream's generator is cancelled by Starlette, and a
-non-streamed request waits for its events and for the ASGI disconnect message at once (a client that
-leaves before its body is read is counted as cancelled too, and nothing is queued). The wire format and the validation
+One engine worker thread (``worker.py``) serves the requests in arrival order; the HTTP layer
+accepts any number concurrently, validates and tokenises them on a thread of its own (off the event
+loop) and queues them (``max_queue`` waiting, then 503). A client that disconnects cancels its
+request: a stream's generator is cancelled by Starlette, and a non-streamed request waits for its
+events and for the ASGI disconnect message at once (a client that leaves before its body is read is
+counted as cancelled too, and nothing is queued). The wire format and the validation
 of requests are in ``protocol.py``, the metrics in ``metrics.py``.
+
+Shutdown (SIGTERM, Ctrl-C): new requests get 503 (``shutting_down``), open streams end at once with
+an error event and ``data: [DONE]``, waiting non-streamed requests get the 503, and then uvicorn
+closes the connections and the lifespan stops the worker; ``boosttune serve`` exits 0 on SIGTERM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
+import signal
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -117,6 +127,11 @@ class _State:
         self.model_name = config.model_name or bundle.root.resolve().name
         self.created = int(time.time())
         self.tokenizer = bundle.llm.tokenizer  # event-loop thread only
+        # Requests are validated and tokenised on a thread of their own (a 1 MB prompt takes seconds, which
+        # the event loop must not wait for), with their own copy of the tokenizer for the same reason
+        # as the worker's below.
+        self.parse_pool = ThreadPoolExecutor(1, thread_name_prefix="boosttune-parse")
+        self.parse_tokenizer = copy.deepcopy(self.tokenizer)
         # The worker decodes for stop strings on its own thread: give it its own tokenizer object
         # (a Rust tokenizer shared across threads can fail with "Already borrowed").
         self.worker_tokenizer = AutoTokenizer.from_pretrained(bundle.root / bundle.manifest.tokenizer)
@@ -135,6 +150,20 @@ class _State:
         self.worker = EngineWorker(self.served, config.max_queue, on_finished=self._on_finished,
                                    threads=config.torch_threads)
         self.metrics = ServerMetrics(queue_depth=lambda: self.worker.queue_depth)
+        self.shutting_down = False  # event-loop thread only, as is ``open``
+        self.open: set[_Submission] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once the lifespan starts
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests (503) and end the open ones now; event-loop thread only."""
+        self.shutting_down = True
+        for sub in list(self.open):
+            sub.shut_down()
+
+    def request_shutdown(self) -> None:
+        """:meth:`begin_shutdown` from any thread (or a signal handler)."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.begin_shutdown)
 
     def _on_finished(self, job: Job, event: Event) -> None:
         m = self.metrics
@@ -146,6 +175,11 @@ class _State:
             m.cancelled.inc()
         elif isinstance(event, FailedEvent):
             m.failed.inc()
+
+    async def parse(self, parse: Callable[[Any, Any, ModelLimits], GenerationRequest], raw: Any) -> GenerationRequest:
+        """``parse_completion`` or ``parse_chat`` of ``raw`` on the parsing thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.parse_pool, parse, raw, self.parse_tokenizer, self.limits)
 
     def model_card(self) -> dict:
         b = self.bundle
@@ -170,8 +204,21 @@ class _State:
         return out
 
 
+class _ErrorResponse(JSONResponse):
+    """An error body in ASCII JSON: messages quote what the client sent, and Starlette's UTF-8 rendering
+    would fail (a 500 instead of the error) on a lone surrogate that slipped through."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return _ErrorResponse(err.body(), status_code=err.status)
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, "The server is shutting down; retry on another instance or later.", None,
+                    "shutting_down", type="server_error")
 
 
 async def _read_json(request: Request, limit: int) -> Any:
@@ -215,12 +262,16 @@ class _Submission:
         self._getter: asyncio.Future | None = None
         self.first_token_seen = False
         self.generated_tokens = state.metrics.generated_tokens
+        if state.shutting_down:
+            raise _shutting_down()
         try:
             state.worker.submit(self.job)
         except QueueFullError as e:
             raise APIError(503, f"The server is busy ({e}); retry later.", None, "server_overloaded",
                            type="server_error") from None
         state.metrics.active.inc()
+        self._open = state.open
+        self._open.add(self)
 
     def _deliver(self, event: Event) -> None:  # worker thread
         if isinstance(event, TokensEvent):
@@ -245,8 +296,15 @@ class _Submission:
     def cancel(self) -> None:
         """Stop the job (if still queued or running) and the pending wait; event-loop thread only."""
         self.job.cancel.set()
+        self._open.discard(self)
         if self._getter is not None:
             self._getter.cancel()
+
+    def shut_down(self) -> None:
+        """The server is stopping: stop the job, and end the request now (the worker's own
+        :class:`CancelledEvent` comes only after the engine's current step); event-loop thread only."""
+        self.job.cancel.set()
+        self.events.put_nowait(CancelledEvent())
 
     async def cancel_async(self) -> None:
         """:meth:`cancel` as a coroutine, so Starlette runs it on the event loop (not a thread pool)."""
@@ -271,9 +329,9 @@ async def _answer(state: _State, req: GenerationRequest, sub: _Submission, reque
         while True:
             event = await sub.next(gone)
             if event is None:  # the client has gone: nobody reads this answer
-                return JSONResponse(APIError(499, "The client closed the request.", None, "cancelled").body(), 499)
+                return _error_response(APIError(499, "The client closed the request.", None, "cancelled"))
             if isinstance(event, CancelledEvent):
-                raise APIError(503, "The server is shutting down.", None, "shutting_down", type="server_error")
+                raise _shutting_down()
             if isinstance(event, FailedEvent):
                 raise APIError(500, f"The engine failed on this request: {event.message}", None, "engine_error")
             if isinstance(event, TokensEvent):
@@ -326,7 +384,9 @@ async def _stream(state: _State, req: GenerationRequest, sub: _Submission) -> As
                                     "engine_error").body())
                 yield _sse("[DONE]")
                 return
-            else:  # cancelled: the server is shutting down
+            else:  # cancelled: the server is shutting down (a client that leaves cancels this generator)
+                yield _sse(_shutting_down().body())
+                yield _sse("[DONE]")
                 return
     finally:
         sub.cancel()  # the client went away (Starlette cancels this generator) or we are done
@@ -348,14 +408,19 @@ def create_app(bundle: LoadedBundle, config: ServerConfig | None = None) -> Fast
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
+        _forward_stop_signals(state)
         warmup = list(state.tokenizer("Hello")["input_ids"]) if state.config.warmup else None
         state.worker.start(warmup_ids=warmup or None)
         try:
             yield
         finally:
             state.worker.close()
+            state.parse_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="boosttune", lifespan=lifespan)
+    # No /docs, /redoc or /openapi.json: the handlers read raw JSON, so FastAPI's generated schema would
+    # describe none of the API (README and protocol.py do).
+    app = FastAPI(title="boosttune", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.boosttune = state
     app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics, endpoints=ENDPOINTS)
 
@@ -384,10 +449,11 @@ def create_app(bundle: LoadedBundle, config: ServerConfig | None = None) -> Fast
         log.exception("unhandled error on %s", request.url.path)
         return _error_response(APIError(500, f"Internal server error: {type(exc).__name__}", None, "internal_error"))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes that only look at the status
     async def health() -> JSONResponse:
-        ok = state.worker.alive
-        body = {"status": "ok" if ok else "engine worker stopped", "model": state.model_name,
+        ok = state.worker.alive and not state.shutting_down
+        status = "shutting down" if state.shutting_down else "ok" if ok else "engine worker stopped"
+        body = {"status": status, "model": state.model_name,
                 "queue_depth": state.worker.queue_depth, "busy": state.worker.busy}
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -409,14 +475,39 @@ def create_app(bundle: LoadedBundle, config: ServerConfig | None = None) -> Fast
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         raw = await _read_json(request, state.config.max_body_bytes)
-        return await _generate(state, request, parse_completion(raw, state.tokenizer, state.limits))
+        return await _generate(state, request, await state.parse(parse_completion, raw))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         raw = await _read_json(request, state.config.max_body_bytes)
-        return await _generate(state, request, parse_chat(raw, state.tokenizer, state.limits))
+        return await _generate(state, request, await state.parse(parse_chat, raw))
 
     return app
+
+
+def _forward_stop_signals(state: _State) -> None:
+    """Begin the app's shutdown the moment uvicorn is told to stop by a signal.
+
+    uvicorn (>= 0.29) handles SIGINT and SIGTERM with ``Server.handle_exit`` (installed before the
+    lifespan starts), then waits for open connections, up to its grace period, before the lifespan's
+    shutdown tells the app: streams would generate on through the grace period and then be cut without
+    an error or ``[DONE]``. So its handlers are wrapped to end the open requests first. Signal handlers
+    belong to the main thread; a server on another thread is stopped by ``ServerThread.stop``, which
+    does the same.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if not isinstance(getattr(handler, "__self__", None), uvicorn.Server):
+            continue  # not uvicorn's handler: leave it alone
+
+        def forward(signum: int, frame: Any, handler: Callable = handler) -> None:
+            state.request_shutdown()
+            handler(signum, frame)
+
+        # uvicorn puts back the handlers it found when it stops, so this goes with it
+        signal.signal(sig, forward)
 
 
 class ServerThread:
@@ -427,13 +518,13 @@ class ServerThread:
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import uvicorn
-
         self.host = host
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.port = self._sock.getsockname()[1]
+        self.state: _State = app.state.boosttune
+        # the grace period is a backstop: stop() ends the open requests first, so connections close at once
         self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on",
                                                     timeout_graceful_shutdown=5))
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
@@ -453,6 +544,7 @@ class ServerThread:
         return self.url
 
     def stop(self, timeout: float = 30.0) -> None:
+        self.state.request_shutdown()
         self.server.should_exit = True
         self._thread.join(timeout)
         self._sock.close()
@@ -466,10 +558,26 @@ class ServerThread:
 
 def run_server(bundle: LoadedBundle, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
                log_level: str = "info") -> None:
-    """Serve ``bundle`` in the foreground until interrupted (Ctrl-C)."""
-    import uvicorn
-
+    """Serve ``bundle`` in the foreground until interrupted (Ctrl-C) or terminated (SIGTERM: returns
+    normally once the open requests have ended, so the process exits 0)."""
     app = create_app(bundle, config)
     name = app.state.boosttune.model_name
     print(f"boosttune serve: model {name!r} ({len(bundle.ssms)} SSMs) at http://{host}:{port}/v1", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    # uvicorn handles SIGTERM itself, then raises it again once shut down, for the handler it found
+    # (the default one kills the process: exit status 143). A server that has ended its requests has
+    # stopped as asked: that handler ends run_server instead (and stops a server not yet serving).
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    except _Terminated:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(Exception):
+    """SIGTERM outside uvicorn's own handling of it: raised again after its shutdown, or before it serves."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise _Terminated
