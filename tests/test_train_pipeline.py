@@ -143,9 +143,16 @@ def test_kill_after_saving_an_ssm_finishes_the_stage(tmp_path: Path) -> None:
     proc = train(run, "boost.num_ssms=1", "eval.enabled=false", kill_at="ssm-saved:1")
     assert proc.returncode == -9
     assert not (run / "stages" / "stage-1" / "summary.json").exists()
+    before = json.loads((run / "ssms" / "ssm-1" / "stats.json").read_text())
     ok(train(run, "boost.num_ssms=1", "eval.enabled=false"))
     report = json.loads((run / "report.json").read_text())
     assert report["stages"][0]["steps"] == 12 and report["stages"][0]["resumed_from_step"] == 12
+    # resumed from its final checkpoint, the stage trains no step: its metrics come from the checkpoint
+    after = json.loads((run / "ssms" / "ssm-1" / "stats.json").read_text())
+    for stats in (report["stages"][0], after):
+        assert stats["train_loss"] == before["train_loss"] is not None
+        assert stats["train_tokens"] == before["train_tokens"] > 0
+        assert stats["train_tokens_per_s"] is not None and stats["train_tokens_per_s"] > 0
 
 
 def test_two_process_ddp_on_cpu(tmp_path: Path) -> None:

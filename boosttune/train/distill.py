@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -135,10 +136,26 @@ class DistillModule(L.LightningModule):
         self.cfg = cfg
         self.tokens_seen = 0
         """Loss tokens over the whole stage (restored on resume)."""
-        self.tokens_this_run = 0
-        """Loss tokens since this process started (for tokens/s)."""
         self.resumed_from_step: int | None = None
         """The optimizer step of the checkpoint this stage resumed from (None: a fresh start)."""
+        self.seconds_before = 0.0
+        """Training seconds of the earlier runs of this stage, up to the checkpoint resumed from."""
+        self.restored_loss: float | None = None
+        """The last logged training loss as of the checkpoint resumed from (a run that resumes from
+        the final checkpoint trains no step, and logs none)."""
+        self._fit_t0 = time.perf_counter()
+
+    def on_fit_start(self) -> None:
+        self._fit_t0 = time.perf_counter()
+
+    def train_seconds(self) -> float:
+        """Training seconds of this stage over every run of it (a killed run's up to its last checkpoint)."""
+        return self.seconds_before + (time.perf_counter() - self._fit_t0)
+
+    def last_loss(self) -> float | None:
+        """The last logged training loss: this run's, else the one restored from the checkpoint."""
+        loss = self.trainer.callback_metrics.get("train/loss")
+        return float(loss) if loss is not None else self.restored_loss
 
     def _base(self):
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
@@ -153,7 +170,6 @@ class DistillModule(L.LightningModule):
         loss = parts["ce"] + self.cfg.distill_weight * sum(v for k, v in parts.items() if k != "ce")
         n = int(targets.numel())
         self.tokens_seen += n
-        self.tokens_this_run += n
         acc = (logits.argmax(-1) == targets).float().mean()
         self.log_dict({"train/loss": loss.detach(), "train/top1": acc, **{f"train/{k}": v.detach() for k, v in parts.items()}},
                       prog_bar=True, on_step=True, batch_size=n, sync_dist=False)
@@ -169,9 +185,14 @@ class DistillModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["tokens_seen"] = self.tokens_seen
+        checkpoint["train_seconds"] = self.train_seconds()
+        checkpoint["train_loss"] = self.last_loss()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # Lightning hands over the checkpoint it loads to resume: read the step here instead of
         # unpickling the whole file a second time
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
         self.resumed_from_step = int(checkpoint.get("global_step", 0))
+        self.seconds_before = float(checkpoint.get("train_seconds", 0.0))
+        loss = checkpoint.get("train_loss")
+        self.restored_loss = float(loss) if loss is not None else None

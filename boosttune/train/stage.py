@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from pathlib import Path
 
 import lightning as L
@@ -136,17 +135,15 @@ def train_stage(model, samples: list[Sample], cfg: TrainConfig, stage_dir: Path,
         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=True,
     )
     resume = resume_checkpoint(ckpt)
-    t0 = time.perf_counter()
     trainer.fit(module, train_dataloaders=loader, ckpt_path=str(resume) if resume else None)
-    secs = time.perf_counter() - t0
-    world = dist.world_size()  # every rank sees a different slice of the batches
-    tokens, tokens_run = module.tokens_seen * world, module.tokens_this_run * world
-    loss = trainer.callback_metrics.get("train/loss")
+    # over every run of the stage (from the checkpoint): one resumed from its final checkpoint trains no step
+    secs = module.train_seconds()
+    tokens = module.tokens_seen * dist.world_size()  # every rank sees a different slice of the batches
     stats = {
         "steps": int(trainer.global_step), "train_samples": len(samples),
         "train_tokens": int(tokens), "train_seconds": secs,
-        "train_tokens_per_s": tokens_run / secs if secs > 0 and tokens_run else None,
-        "train_loss": float(loss) if loss is not None else None,
+        "train_tokens_per_s": tokens / secs if secs > 0 and tokens else None,
+        "train_loss": module.last_loss(),
         "resumed_from_step": module.resumed_from_step, "precision": precision(cfg), "world_size": dist.world_size(),
         "strategy": type(trainer.strategy).__name__,
     }
