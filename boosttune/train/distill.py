@@ -9,8 +9,9 @@ Losses: cross-entropy on the LLM's tokens; optionally plus ``distill_weight`` ti
 - ``tv``: the total variation distance between p_topk and q, 0.5 * (sum_topk |p - q| + q outside),
   the quantity that sets speculative acceptance (acceptance = 1 - TV; Leviathan et al. 2023, §3).
 
-Batches are length-bucketed to a padded-token budget and served as a dataset of whole batches, so
-Lightning's distributed sampler hands each DDP rank different batches.
+Batches are length-bucketed to a padded-token budget and served as a dataset of whole batches, in
+the endless order of :class:`BatchOrder`: each DDP rank takes its own share, and a resumed stage
+continues exactly where its checkpoint was taken.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Sampler
 
 from boosttune.config import OptimConfig
 
@@ -101,6 +102,40 @@ class BatchDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return collate([self.samples[j] for j in self.batches[i]], self.pad_id)
+
+
+class BatchOrder(Sampler[int]):
+    """The batches one rank trains on, in order: endless, and a pure function of the position in it.
+
+    Pass ``e`` over the ``n`` batches is the permutation drawn from ``seed + e``; rank ``rank`` of
+    ``world`` takes positions ``rank, rank + world, ...`` of the passes laid end to end. Iteration
+    begins at ``start``, this rank's position: a resumed stage sets it to the batches its checkpoint
+    had consumed (:meth:`resume_at`), so it trains on exactly the batches a run never interrupted
+    does. (A shuffling DataLoader instead draws each pass from a generator whose state no checkpoint
+    holds: a run resumed after the first pass repeated the first pass's order.)
+    """
+
+    def __init__(self, n: int, seed: int, rank: int = 0, world: int = 1):
+        assert n > 0 and 0 <= rank < world
+        self.n, self.seed, self.rank, self.world = n, seed, rank, world
+        self.start = 0
+
+    def resume_at(self, global_step: int, grad_accum: int) -> None:
+        """Continue after ``global_step`` optimizer steps of ``grad_accum`` batches each (micro-batches
+        of an unfinished accumulation are not in a checkpoint: they are trained again)."""
+        self.start = global_step * grad_accum
+
+    def permutation(self, epoch: int) -> list[int]:
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+
+    def __iter__(self):
+        position, epoch, order = self.start, -1, []
+        while True:
+            e, i = divmod(position * self.world + self.rank, self.n)
+            if e != epoch:
+                epoch, order = e, self.permutation(e)
+            yield order[i]
+            position += 1
 
 
 def distill_losses(logits: torch.Tensor, targets: torch.Tensor, batch: dict, kind: str) -> dict[str, torch.Tensor]:
