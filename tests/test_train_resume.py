@@ -67,3 +67,13 @@ def test_resumed_run_ends_as_the_uninterrupted_one(case: str, reference: dict, t
     assert got["stages"] == reference["stages"]
     assert got["matches"] == reference["matches"]
     assert got["weights"] == reference["weights"]
+
+
+def test_resumed_run_with_dropout_ends_as_the_uninterrupted_one(tmp_path: Path) -> None:
+    """Dropout draws from the global RNG: the checkpoint carries its state."""
+    settings = ("boost.num_ssms=1", "eval.enabled=false", "lora.enabled=true", "lora.r=4", "lora.dropout=0.2")
+    ok(train(tmp_path / "reference", *settings))
+    run = tmp_path / "run"
+    assert train(run, *settings, kill_at="checkpoint:1").returncode == -9
+    ok(train(run, *settings))
+    assert results(run) == results(tmp_path / "reference")

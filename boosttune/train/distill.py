@@ -222,6 +222,10 @@ class DistillModule(L.LightningModule):
         checkpoint["tokens_seen"] = self.tokens_seen
         checkpoint["train_seconds"] = self.train_seconds()
         checkpoint["train_loss"] = self.last_loss()
+        # Dropout (e.g. lora.dropout) draws from the global RNG: a resumed stage continues its stream.
+        # Exact in one process; under DDP every rank continues rank 0's (the checkpoint is rank 0's).
+        checkpoint["rng"] = {"torch": torch.get_rng_state(),
+                             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # Lightning hands over the checkpoint it loads to resume: read the step here instead of
@@ -231,3 +235,8 @@ class DistillModule(L.LightningModule):
         self.seconds_before = float(checkpoint.get("train_seconds", 0.0))
         loss = checkpoint.get("train_loss")
         self.restored_loss = float(loss) if loss is not None else None
+        rng = checkpoint.get("rng")
+        if rng is not None:
+            torch.set_rng_state(rng["torch"])
+            if rng["cuda"] and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+                torch.cuda.set_rng_state_all(rng["cuda"])
