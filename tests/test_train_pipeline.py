@@ -131,6 +131,19 @@ def _chmod_restricts() -> bool:
 needs_chmod = pytest.mark.skipif(not _chmod_restricts(), reason="chmod does not restrict this user (root)")
 
 
+def test_run_killed_before_its_report_listed_the_last_stage_evaluates_every_ssm(tiny_run: Path, tmp_path: Path) -> None:
+    """Every stage finished (summary.json written) but the report not yet written: the rerun trains
+    nothing, and the evaluation (which reads the stages from report.json) still sees every SSM."""
+    run = Path(shutil.copytree(tiny_run, tmp_path / "run"))
+    report = json.loads((run / "report.json").read_text())
+    report["stages"], report["evaluation"] = report["stages"][:2], None
+    (run / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    ok(train(run))
+    report = json.loads((run / "report.json").read_text())
+    assert [s["stage"] for s in report["stages"]] == [1, 2, 3]
+    assert [x["ssm"] for x in report["evaluation"]["singles"]] == ["ssm-1", "ssm-2", "ssm-3"]
+
+
 @needs_chmod
 def test_finished_run_reopens_read_only(tiny_run: Path, tmp_path: Path) -> None:
     run = Path(shutil.copytree(tiny_run, tmp_path / "run"))

@@ -414,21 +414,24 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
     for k in range(1, cfg.boost.num_ssms + 1):
         done = is_complete(run.ssm_dir(k)) and run.stage_summary(k).exists()
         stages.append(run_stage(cfg, run, k, init_dir, tokenizer, train_samples, held_samples, pad_id))
-        if not done:  # a finished stage is in the report already
+        if not done:  # the report lists what a killed run finished (stages done before: below)
             trained = True
             write_report(cfg, run, teacher, prompts_info, stages, None)
         s = stages[-1]
         _log(f"stage {k}: pool {s['pool_before']} -> {s['pool_after']}, match {s['match_rate']:.3f}, "
              f"held-out top-1 {s['heldout_top1']:.3f}, ensemble held-out match {s['ensemble_match_rate']:.3f}")
 
-    evaluation = None
-    if cfg.eval.enabled and dist.is_main():
+    settings = eval_settings(cfg)
+    evaluation = None  # τ of these SSMs with these settings, when report.json has it already
+    if cfg.eval.enabled and dist.is_main() and not trained:
+        evaluation = previous_evaluation(run, settings)
+    # every finished stage in report.json (evaluate_run reads them there; a run killed after a
+    # stage's summary but before its report write left one out)
+    write_report(cfg, run, teacher, prompts_info, stages, evaluation)
+    if cfg.eval.enabled and dist.is_main() and evaluation is None:
         from boosttune.train.evaluate import evaluate_run
 
-        settings = eval_settings(cfg)
-        evaluation = None if trained else previous_evaluation(run, settings)
-        if evaluation is None:  # τ of these SSMs with these settings is not in report.json yet
-            evaluation = {**evaluate_run(cfg, run, prompts[n_train:]), "settings": settings}
+        evaluation = {**evaluate_run(cfg, run, prompts[n_train:]), "settings": settings}
     report = write_report(cfg, run, teacher, prompts_info, stages, evaluation)
     dist.barrier()
     if cfg.scheduler.prompts and dist.is_main():
