@@ -133,6 +133,9 @@ def train_stage(model, samples: list[Sample], cfg: TrainConfig, stage_dir: Path,
     if cfg.lora.enabled:
         model = apply_lora(model, cfg)
     module = DistillModule(model, o)
+    if not samples:
+        raise ValueError(f"{stage_dir}: no sample to train on (the LLM's continuations of this stage's prompts are "
+                         "all empty); add prompts or raise teacher.max_new_tokens")
     data = BatchDataset(samples, o.batch_tokens, pad_id, seed)
     order = BatchOrder(len(data), seed, rank=dist.rank(), world=dist.world_size())
     # the generator only keeps the loader from drawing its base seed from the global RNG
