@@ -14,9 +14,10 @@ and sha256. The LLM is not copied: it is named (``ref``: "default", "tiny-random
 id or a path; ``path``: where export found it) and pinned by a content hash over its config and
 safetensors weight files (:func:`llm_content_hash`).
 
-Loading (:func:`load_bundle`) checks, before any weight is read: the manifest parses, its format is
-one this code reads, every path stays inside the bundle, every listed file is there with its size
-and sha256, no unlisted file is there, and the LLM that was found hashes to the manifest's hash.
+Loading (:func:`load_bundle`) checks, before any weight is read: the manifest (at most 1 MiB) parses,
+its format is one this code reads, every path stays inside the bundle, every listed file is there
+with its size and sha256, no unlisted file or link is there, each SSM's config and safetensors header
+parse, and the LLM that was found hashes to the manifest's hash.
 Each refusal is a :class:`BundleError` naming the file and the fix. Weights load from safetensors
 only (``use_safetensors=True``) and the scheduler files are handed over unread: nothing is unpickled.
 """
@@ -110,10 +111,41 @@ def verify_files(root: Path, manifest: Manifest) -> None:
                 f"bundle file {rel} does not match {MANIFEST}: sha256 {actual[:16]}… but the manifest says "
                 f"{entry.sha256[:16]}…; the file or the manifest was altered: re-export the bundle"
             )
-    for path in sorted(root.rglob("*")):
+    for path in sorted(root.rglob("*")):  # rglob lists a linked directory but does not enter it
         rel = path.relative_to(root).as_posix()
-        if path.is_file() and rel != MANIFEST and rel not in listed:
+        if rel == MANIFEST or rel in listed:
+            continue
+        if path.is_symlink():
+            raise BundleError(f"bundle entry {rel} is a link that {MANIFEST} does not list; remove it or re-export "
+                              "the bundle")
+        if path.is_file():
             raise BundleError(f"bundle file {rel} is not listed in {MANIFEST}; remove it or re-export the bundle")
+
+
+def verify_ssm_files(root: Path, manifest: Manifest) -> None:
+    """Each SSM's config.json is a model config and each safetensors header parses (hashes cannot tell:
+    a manifest rewritten together with a file agrees with it). Reads headers, not weights."""
+    from safetensors import SafetensorError, safe_open
+    from transformers import AutoConfig
+
+    for s in manifest.ssms:
+        config = _read_json(root / s.config, s.config)
+        if not isinstance(config, dict):
+            raise BundleError(f"bundle file {s.config} must hold a JSON object (a model config); re-export the bundle")
+        try:
+            AutoConfig.from_pretrained(root / s.dir)
+        # transformers reports bad fields as TypeError, ValueError or huggingface_hub's
+        # StrictDataclassError (an Exception subclass only), depending on the field
+        except Exception as e:  # any failure here is the file's: re-raised as one naming it
+            raise BundleError(f"bundle file {s.config} is not a valid model config ({e}); re-export the bundle") from None
+        for w in s.weights:
+            if not w.endswith(".safetensors"):
+                continue
+            try:
+                with safe_open(root / w, framework="pt") as f:
+                    f.keys()
+            except (SafetensorError, OSError) as e:
+                raise BundleError(f"bundle file {w} is not a valid safetensors file ({e}); re-export the bundle") from None
 
 
 def resolve_llm_dir(manifest: Manifest, override: str | None = None) -> Path:
@@ -183,6 +215,7 @@ def verify_bundle(bundle: str | Path, llm: str | None = None) -> VerifiedBundle:
     root = Path(bundle)
     manifest = read_manifest(root)
     verify_files(root, manifest)
+    verify_ssm_files(root, manifest)
     llm_dir = resolve_llm_dir(manifest, llm)
     verify_llm(llm_dir, manifest)
     return VerifiedBundle(root=root, manifest=manifest, llm_dir=llm_dir)
@@ -266,11 +299,15 @@ def load_bundle(
     loaded_llm = LoadedModel(model=llm_model, tokenizer=tokenizer, ref=manifest.llm.ref, path=str(verified.llm_dir))
     ssms = []
     for entry in manifest.ssms:
-        model = _load_lm(root / entry.dir, ssm_torch_dtype)
+        try:
+            model = _load_lm(root / entry.dir, ssm_torch_dtype)
+        except (OSError, ValueError, RuntimeError, TypeError) as e:  # e.g. weights that do not fit the config
+            raise BundleError(f"bundle directory {entry.dir}: the SSM does not load ({e}); re-export the bundle") from None
         check_same_vocabulary(tokenizer, tokenizer, model_vocab_size(llm_model), model_vocab_size(model), entry.name)
         ssms.append(LoadedModel(model=model, tokenizer=tokenizer, ref=entry.name, path=str(root / entry.dir)))
     profiles = [
-        _read_json(root / s.acceptance_profile) if s.acceptance_profile else None for s in manifest.ssms
+        _read_json(root / s.acceptance_profile, s.acceptance_profile) if s.acceptance_profile else None
+        for s in manifest.ssms
     ]
     ranking = None
     if manifest.draft_vocab is not None:
@@ -287,8 +324,12 @@ def load_bundle(
     )
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path, rel: str | None = None) -> Any:
+    """``path``'s JSON; a :class:`BundleError` naming ``rel`` (its bundle path; default: its name) if it is not."""
+    name = rel or path.name
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BundleError(f"bundle file {path.name}: not valid JSON ({e})") from None
+        raise BundleError(f"bundle file {name}: not valid JSON ({e}); re-export the bundle") from None
+    except RecursionError:  # json recurses once per nesting level
+        raise BundleError(f"bundle file {name}: JSON nested too deeply; re-export the bundle") from None

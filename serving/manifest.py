@@ -38,6 +38,8 @@ BUNDLE_KIND = "boosttune-bundle"
 TOKENIZER_DIR = "tokenizer"
 SSMS_DIR = "ssms"
 SCHEDULER_DIR = "scheduler"
+MAX_MANIFEST_BYTES = 1 << 20
+"""Larger manifests are refused before they are parsed (export writes a few KiB: one line per file)."""
 
 
 class BundleError(ValueError):
@@ -185,7 +187,7 @@ def parse_manifest(data: Any) -> Manifest:
     if data.get("kind", BUNDLE_KIND) != BUNDLE_KIND:
         raise BundleError(f"{MANIFEST}: kind {data.get('kind')!r} is not {BUNDLE_KIND!r}; not a boosttune bundle")
     fmt = data.get("format")
-    if fmt != BUNDLE_FORMAT or isinstance(fmt, bool):
+    if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt != BUNDLE_FORMAT:  # 1.0 is not format 1
         raise BundleError(
             f"{MANIFEST}: unsupported bundle format {fmt!r}; this boosttune reads format {BUNDLE_FORMAT}. "
             "Re-export the run with this boosttune version, or serve it with the version that wrote it"
@@ -264,17 +266,23 @@ def _parse_ssm(raw: Any, i: int) -> SSMEntry:
 
 
 def read_manifest(bundle: str | Path) -> Manifest:
-    """Parse ``BUNDLE/manifest.json`` (no file checks; see :func:`verify_files`)."""
+    """Parse ``BUNDLE/manifest.json`` (at most ``MAX_MANIFEST_BYTES``; no file checks: see :func:`verify_files`)."""
     root = Path(bundle)
     if not root.is_dir():
         raise BundleError(f"bundle {root} is not a directory; create one with `boosttune export RUN_DIR --out {root}`")
     path = root / MANIFEST
     if not path.is_file():
         raise BundleError(f"bundle {root} has no {MANIFEST}; it is incomplete or not a bundle (re-export it)")
+    size = path.stat().st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise BundleError(f"{path}: {size} bytes, more than a bundle manifest may have ({MAX_MANIFEST_BYTES}); "
+                          "the bundle is damaged or not a boosttune bundle (re-export it)")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BundleError(f"{path}: not valid JSON ({e}); the bundle is damaged (re-export it)") from None
+    except RecursionError:  # json recurses once per nesting level
+        raise BundleError(f"{path}: JSON nested too deeply to be a bundle manifest; re-export the bundle") from None
     return parse_manifest(data)
 
 

@@ -301,3 +301,91 @@ def test_bundle_default_prompt_lookup_serves_without_a_scheduler(tmp_path):
     _write_manifest(out, m)
     with pytest.raises(BundleError, match="prompt_lookup"):
         verify_bundle(out)
+
+
+# -- Damage that the hashes cannot see (issue 14): the manifest itself, and files re-hashed after the change.
+
+
+def _rehash(root: Path, rel: str) -> None:
+    """Make the manifest agree with ``rel`` as it is now (size and sha256), as a forger would."""
+    m = _manifest(root)
+    m["files"][rel] = {"sha256": sha256_file(root / rel), "size": (root / rel).stat().st_size}
+    _write_manifest(root, m)
+
+
+def _deep_manifest(root: Path) -> str:
+    (root / MANIFEST).write_text("[" * 100_000 + "]" * 100_000)
+    return MANIFEST
+
+
+def _huge_manifest(root: Path) -> str:
+    """A valid manifest padded past the size cap: refused before it is parsed."""
+    (root / MANIFEST).write_text(json.dumps(_manifest(root)) + " " * (1 << 20))
+    return MANIFEST
+
+
+def _float_format(root: Path) -> str:
+    m = _manifest(root)
+    m["format"] = float(BUNDLE_FORMAT)
+    _write_manifest(root, m)
+    return MANIFEST
+
+
+def _bad_safetensors_header(root: Path) -> str:
+    rel = "ssms/ssm-1/model.safetensors"
+    data = bytearray((root / rel).read_bytes())
+    data[8:16] = b"not json"  # the header's first bytes: its length prefix still says how long it is
+    (root / rel).write_bytes(bytes(data))
+    _rehash(root, rel)
+    return rel
+
+
+def _huge_safetensors_header_length(root: Path) -> str:
+    rel = "ssms/ssm-2/model.safetensors"
+    data = bytearray((root / rel).read_bytes())
+    data[:8] = (1 << 40).to_bytes(8, "little")
+    (root / rel).write_bytes(bytes(data))
+    _rehash(root, rel)
+    return rel
+
+
+def _config_wrong_type(root: Path) -> str:
+    rel = "ssms/ssm-1/config.json"
+    config = json.loads((root / rel).read_text())
+    config["num_hidden_layers"] = "two"
+    (root / rel).write_text(json.dumps(config))
+    _rehash(root, rel)
+    return rel
+
+
+def _config_not_an_object(root: Path) -> str:
+    rel = "ssms/ssm-2/config.json"
+    (root / rel).write_text("[1, 2, 3]")
+    _rehash(root, rel)
+    return rel
+
+
+def _symlinked_directory(root: Path) -> str:
+    (root / "ssms" / "alias").symlink_to(root / "ssms" / "ssm-1", target_is_directory=True)
+    return "ssms/alias"
+
+
+@pytest.mark.parametrize("damage", [_deep_manifest, _huge_manifest, _float_format, _bad_safetensors_header,
+                                    _huge_safetensors_header_length, _config_wrong_type, _config_not_an_object,
+                                    _symlinked_directory])
+def test_damage_behind_matching_hashes_is_refused_naming_the_file(copy, damage):
+    """Each of these once ended in a raw traceback (RecursionError, a safetensors or transformers error)
+    or was accepted; now load_bundle refuses it with a BundleError naming the file."""
+    named = damage(copy)
+    with pytest.raises(BundleError) as e:
+        load_bundle(copy)
+    assert named in str(e.value)
+
+
+def test_a_manifest_at_the_size_cap_is_read(copy):
+    """The cap refuses only what no export writes: a manifest padded up to just under it still loads."""
+    from boosttune.serving.manifest import MAX_MANIFEST_BYTES
+
+    text = json.dumps(_manifest(copy))
+    (copy / MANIFEST).write_text(text + " " * (MAX_MANIFEST_BYTES - len(text)))
+    assert verify_bundle(copy).manifest.format == BUNDLE_FORMAT

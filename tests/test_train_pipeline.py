@@ -7,11 +7,14 @@ the process SIGKILLs itself, exactly like an external kill -9 at that moment.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -90,12 +93,104 @@ def test_report_has_one_entry_per_stage(tiny_run: Path) -> None:
     assert report["prompts"]["held_out"] > 0 and 0 < ranking["tokens_counted"] < report["teacher"]["tokens"]
 
 
+def mtimes(path: Path) -> dict[Path, int]:
+    return {p: p.stat().st_mtime_ns for p in path.rglob("*")}
+
+
 def test_rerun_of_a_finished_run_redoes_nothing(tiny_run: Path) -> None:
-    before = {p: p.stat().st_mtime_ns for p in (tiny_run / "ssms").rglob("*") if p.is_file()}
-    shards = {p: p.stat().st_mtime_ns for p in (tiny_run / "teacher").glob("shard-*.arrow")}
+    """Not a file of the run is written again: not config.yaml, not report.json (the τ evaluation is
+    not re-run for the same settings); so a finished run can be re-opened read-only."""
+    before = mtimes(tiny_run)
     ok(train(tiny_run))
-    assert before == {p: p.stat().st_mtime_ns for p in (tiny_run / "ssms").rglob("*") if p.is_file()}
-    assert shards == {p: p.stat().st_mtime_ns for p in (tiny_run / "teacher").glob("shard-*.arrow")}
+    assert mtimes(tiny_run) == before
+
+
+def test_rerun_with_other_evaluation_settings_reevaluates(tiny_run: Path, tmp_path: Path) -> None:
+    run = Path(shutil.copytree(tiny_run, tmp_path / "run"))
+    ssms = mtimes(run / "ssms")
+    ok(train(run, "eval.max_new_tokens=6"))
+    assert json.loads((run / "report.json").read_text())["evaluation"]["max_new_tokens"] == 6
+    assert load_config(run / "config.yaml").eval.max_new_tokens == 6 and mtimes(run / "ssms") == ssms
+
+
+def _chmod_restricts() -> bool:
+    """Whether a directory without write permission refuses this process (not for root, or for a
+    process with CAP_DAC_OVERRIDE)."""
+    with tempfile.TemporaryDirectory() as d:
+        locked = Path(d) / "locked"
+        locked.mkdir(mode=0o555)
+        try:
+            (locked / "probe").touch()
+        except PermissionError:
+            return True
+        finally:
+            locked.chmod(0o755)
+        return False
+
+
+needs_chmod = pytest.mark.skipif(not _chmod_restricts(), reason="chmod does not restrict this user (root)")
+
+
+def test_run_killed_before_its_report_listed_the_last_stage_evaluates_every_ssm(tiny_run: Path, tmp_path: Path) -> None:
+    """Every stage finished (summary.json written) but the report not yet written: the rerun trains
+    nothing, and the evaluation (which reads the stages from report.json) still sees every SSM."""
+    run = Path(shutil.copytree(tiny_run, tmp_path / "run"))
+    report = json.loads((run / "report.json").read_text())
+    report["stages"], report["evaluation"] = report["stages"][:2], None
+    (run / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    ok(train(run))
+    report = json.loads((run / "report.json").read_text())
+    assert [s["stage"] for s in report["stages"]] == [1, 2, 3]
+    assert [x["ssm"] for x in report["evaluation"]["singles"]] == ["ssm-1", "ssm-2", "ssm-3"]
+
+
+@needs_chmod
+def test_finished_run_reopens_read_only(tiny_run: Path, tmp_path: Path) -> None:
+    run = Path(shutil.copytree(tiny_run, tmp_path / "run"))
+    paths = [run, *run.rglob("*")]
+    for p in paths:
+        p.chmod(p.stat().st_mode & ~0o222)
+    try:
+        ok(train(run))
+    finally:
+        for p in paths:
+            p.chmod(p.stat().st_mode | 0o200)
+
+
+def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode not in (0, -9), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("boosttune train: error: ") and all(n in last for n in needles), last
+
+
+@needs_chmod
+@pytest.mark.parametrize("where", ["read-only run dir", "unwritable parent"])
+def test_unwritable_run_dir_is_one_clear_line(tmp_path: Path, where: str) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    run = locked if where == "read-only run dir" else locked / "run"
+    locked.chmod(0o555)
+    try:
+        one_line_error(train(run), str(locked), "--run-dir")
+    finally:
+        locked.chmod(0o755)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EACCES, errno.EROFS])
+def test_file_system_errors_are_one_clear_line(tmp_path: Path, monkeypatch, capsys, code: int) -> None:
+    """A write that fails (disk full simulated at the first write, config.yaml) names the file and the fix."""
+    from boosttune.cli import main
+    from boosttune.train import pipeline
+
+    def fail(path: Path, text: str) -> None:
+        raise OSError(code, os.strerror(code), str(path))
+
+    monkeypatch.setattr(pipeline, "atomic_write_text", fail)
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(TINY), "--run-dir", str(run)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(run / "config.yaml") in err[0] and "--run-dir" in err[0], err
 
 
 def test_independent_ablation_reuses_the_teacher(tiny_run: Path, tmp_path: Path) -> None:
@@ -120,6 +215,7 @@ def test_kill_during_teacher_keeps_whole_shards_and_ignores_the_half_written_one
     ok(train(run, "boost.num_ssms=1", "eval.enabled=false"))
     assert (run / "teacher" / "shard-00000.arrow").read_bytes() == first  # not redone
     assert len(list((run / "teacher").glob("shard-*.arrow"))) == 4
+    assert not list((run / "teacher").glob(".shard-*.tmp"))  # the killed run's temporary is cleaned up
     assert len(json.loads((run / "report.json").read_text())["stages"]) == 1
 
 
@@ -143,9 +239,16 @@ def test_kill_after_saving_an_ssm_finishes_the_stage(tmp_path: Path) -> None:
     proc = train(run, "boost.num_ssms=1", "eval.enabled=false", kill_at="ssm-saved:1")
     assert proc.returncode == -9
     assert not (run / "stages" / "stage-1" / "summary.json").exists()
+    before = json.loads((run / "ssms" / "ssm-1" / "stats.json").read_text())
     ok(train(run, "boost.num_ssms=1", "eval.enabled=false"))
     report = json.loads((run / "report.json").read_text())
     assert report["stages"][0]["steps"] == 12 and report["stages"][0]["resumed_from_step"] == 12
+    # resumed from its final checkpoint, the stage trains no step: its metrics come from the checkpoint
+    after = json.loads((run / "ssms" / "ssm-1" / "stats.json").read_text())
+    for stats in (report["stages"][0], after):
+        assert stats["train_loss"] == before["train_loss"] is not None
+        assert stats["train_tokens"] == before["train_tokens"] > 0
+        assert stats["train_tokens_per_s"] is not None and stats["train_tokens_per_s"] > 0
 
 
 def test_two_process_ddp_on_cpu(tmp_path: Path) -> None:

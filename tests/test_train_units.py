@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from boosttune.config import BoostConfig, MatchConfig, PromptsConfig, SourceConfig, SSMInitConfig
 from boosttune.core.models import resolve_model_path
-from boosttune.train.distill import Sample, collate, distill_losses, lr_lambda, plan_batches
+from boosttune.train.distill import BatchOrder, Sample, collate, distill_losses, lr_lambda, plan_batches
 from boosttune.train.matching import is_match, teacher_forced_agreement
 from boosttune.train.pipeline import acceptance_profile, stage_pool, unmatched
 from boosttune.train.sources import collect_prompts, default_seeds, source_prompts
@@ -182,6 +182,31 @@ def test_lr_schedule_and_batch_budget() -> None:
 
 
 # --------------------------------------------------------------------------------------------- init
+def _take(order: BatchOrder, k: int) -> list[int]:
+    it = iter(order)
+    return [next(it) for _ in range(k)]
+
+
+def test_batch_order_resumes_at_any_position_and_shares_out_ranks() -> None:
+    """The data order depends only on the position: a stage resumed after any step (mid-pass too)
+    sees the rest of the uninterrupted order; each pass is a permutation; ranks split the stream."""
+    n, seed = 5, 7
+    whole = _take(BatchOrder(n, seed), 4 * n)
+    assert all(sorted(whole[e * n:(e + 1) * n]) == list(range(n)) for e in range(4))
+    assert len({tuple(whole[e * n:(e + 1) * n]) for e in range(4)}) > 1  # passes are reshuffled
+    for step in range(1, 3 * n):
+        resumed = BatchOrder(n, seed)
+        resumed.resume_at(step, grad_accum=1)
+        assert _take(resumed, n) == whole[step:step + n]
+    accum = BatchOrder(n, seed)
+    accum.resume_at(3, grad_accum=2)
+    assert _take(accum, 4) == whole[6:10]
+    ranks = [BatchOrder(n, seed, rank=r, world=2) for r in range(2)]
+    for r in ranks:
+        r.resume_at(2, grad_accum=1)
+    assert _take(ranks[0], 3) == whole[4:10:2] and _take(ranks[1], 3) == whole[5:11:2]
+
+
 def test_derived_ssm_copies_llm_layers_and_projects_embeddings() -> None:
     llm = tiny_llama(0, layers=3, hidden=32)
     ssm = derive_ssm(llm, SSMInitConfig(layers=[2]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 
@@ -29,7 +30,31 @@ def cmd_train(args: argparse.Namespace) -> int:
     if dist.needs_local_launch(cfg.optim.devices, cfg.optim.num_nodes):
         argv = ["train", "--config", args.config, "--run-dir", args.run_dir, *args.overrides]
         return dist.local_launch(cfg.optim.devices, argv)
-    report = train(cfg, args.run_dir)
+    try:
+        report = train(cfg, args.run_dir)
+    except OSError as e:
+        message = file_system_error(e, args.run_dir)
+        if message is None:
+            raise
+        raise ValueError(message) from None  # printed as one line, exit 2 (boosttune.cli.main)
     if dist.is_main():
         print(json.dumps({"stages": report["stages"], "evaluation": report["evaluation"]}, indent=2), file=sys.stdout)
     return 0
+
+
+# What to do when the run directory cannot be written: by errno.
+_FIXES = {
+    errno.EACCES: "make the run directory writable (chmod u+w) or pass a --run-dir you can write",
+    errno.EPERM: "make the run directory writable (chmod u+w) or pass a --run-dir you can write",
+    errno.EROFS: "pass a --run-dir on a writable file system",
+    errno.ENOSPC: "free space there or pass a --run-dir on another disk; the same command then resumes the run",
+    errno.EDQUOT: "free space there or pass a --run-dir on another disk; the same command then resumes the run",
+}
+
+
+def file_system_error(e: OSError, run_dir: str) -> str | None:
+    """One line naming the path a write failed at and the fix; None when ``e`` is not such a failure."""
+    fix = _FIXES.get(e.errno)
+    if fix is None:
+        return None
+    return f"cannot write {e.filename or run_dir}: {e.strerror or e}; {fix}"

@@ -9,21 +9,23 @@ Losses: cross-entropy on the LLM's tokens; optionally plus ``distill_weight`` ti
 - ``tv``: the total variation distance between p_topk and q, 0.5 * (sum_topk |p - q| + q outside),
   the quantity that sets speculative acceptance (acceptance = 1 - TV; Leviathan et al. 2023, §3).
 
-Batches are length-bucketed to a padded-token budget and served as a dataset of whole batches, so
-Lightning's distributed sampler hands each DDP rank different batches.
+Batches are length-bucketed to a padded-token budget and served as a dataset of whole batches, in
+the endless order of :class:`BatchOrder`: each DDP rank takes its own share, and a resumed stage
+continues exactly where its checkpoint was taken.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Sampler
 
 from boosttune.config import OptimConfig
 
@@ -102,6 +104,40 @@ class BatchDataset(Dataset):
         return collate([self.samples[j] for j in self.batches[i]], self.pad_id)
 
 
+class BatchOrder(Sampler[int]):
+    """The batches one rank trains on, in order: endless, and a pure function of the position in it.
+
+    Pass ``e`` over the ``n`` batches is the permutation drawn from ``seed + e``; rank ``rank`` of
+    ``world`` takes positions ``rank, rank + world, ...`` of the passes laid end to end. Iteration
+    begins at ``start``, this rank's position: a resumed stage sets it to the batches its checkpoint
+    had consumed (:meth:`resume_at`), so it trains on exactly the batches a run never interrupted
+    does. (A shuffling DataLoader instead draws each pass from a generator whose state no checkpoint
+    holds: a run resumed after the first pass repeated the first pass's order.)
+    """
+
+    def __init__(self, n: int, seed: int, rank: int = 0, world: int = 1):
+        assert n > 0 and 0 <= rank < world
+        self.n, self.seed, self.rank, self.world = n, seed, rank, world
+        self.start = 0
+
+    def resume_at(self, global_step: int, grad_accum: int) -> None:
+        """Continue after ``global_step`` optimizer steps of ``grad_accum`` batches each (micro-batches
+        of an unfinished accumulation are not in a checkpoint: they are trained again)."""
+        self.start = global_step * grad_accum
+
+    def permutation(self, epoch: int) -> list[int]:
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+
+    def __iter__(self):
+        position, epoch, order = self.start, -1, []
+        while True:
+            e, i = divmod(position * self.world + self.rank, self.n)
+            if e != epoch:
+                epoch, order = e, self.permutation(e)
+            yield order[i]
+            position += 1
+
+
 def distill_losses(logits: torch.Tensor, targets: torch.Tensor, batch: dict, kind: str) -> dict[str, torch.Tensor]:
     """CE (+ KL/TV against the teacher's renormalised top-k) at the loss positions; logits (n, V)."""
     logits = logits.float()
@@ -135,10 +171,26 @@ class DistillModule(L.LightningModule):
         self.cfg = cfg
         self.tokens_seen = 0
         """Loss tokens over the whole stage (restored on resume)."""
-        self.tokens_this_run = 0
-        """Loss tokens since this process started (for tokens/s)."""
         self.resumed_from_step: int | None = None
         """The optimizer step of the checkpoint this stage resumed from (None: a fresh start)."""
+        self.seconds_before = 0.0
+        """Training seconds of the earlier runs of this stage, up to the checkpoint resumed from."""
+        self.restored_loss: float | None = None
+        """The last logged training loss as of the checkpoint resumed from (a run that resumes from
+        the final checkpoint trains no step, and logs none)."""
+        self._fit_t0 = time.perf_counter()
+
+    def on_fit_start(self) -> None:
+        self._fit_t0 = time.perf_counter()
+
+    def train_seconds(self) -> float:
+        """Training seconds of this stage over every run of it (a killed run's up to its last checkpoint)."""
+        return self.seconds_before + (time.perf_counter() - self._fit_t0)
+
+    def last_loss(self) -> float | None:
+        """The last logged training loss: this run's, else the one restored from the checkpoint."""
+        loss = self.trainer.callback_metrics.get("train/loss")
+        return float(loss) if loss is not None else self.restored_loss
 
     def _base(self):
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
@@ -153,7 +205,6 @@ class DistillModule(L.LightningModule):
         loss = parts["ce"] + self.cfg.distill_weight * sum(v for k, v in parts.items() if k != "ce")
         n = int(targets.numel())
         self.tokens_seen += n
-        self.tokens_this_run += n
         acc = (logits.argmax(-1) == targets).float().mean()
         self.log_dict({"train/loss": loss.detach(), "train/top1": acc, **{f"train/{k}": v.detach() for k, v in parts.items()}},
                       prog_bar=True, on_step=True, batch_size=n, sync_dist=False)
@@ -169,9 +220,23 @@ class DistillModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["tokens_seen"] = self.tokens_seen
+        checkpoint["train_seconds"] = self.train_seconds()
+        checkpoint["train_loss"] = self.last_loss()
+        # Dropout (e.g. lora.dropout) draws from the global RNG: a resumed stage continues its stream.
+        # Exact in one process; under DDP every rank continues rank 0's (the checkpoint is rank 0's).
+        checkpoint["rng"] = {"torch": torch.get_rng_state(),
+                             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # Lightning hands over the checkpoint it loads to resume: read the step here instead of
         # unpickling the whole file a second time
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
         self.resumed_from_step = int(checkpoint.get("global_step", 0))
+        self.seconds_before = float(checkpoint.get("train_seconds", 0.0))
+        loss = checkpoint.get("train_loss")
+        self.restored_loss = float(loss) if loss is not None else None
+        rng = checkpoint.get("rng")
+        if rng is not None:
+            torch.set_rng_state(rng["torch"])
+            if rng["cuda"] and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+                torch.cuda.set_rng_state_all(rng["cuda"])

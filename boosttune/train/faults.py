@@ -11,10 +11,13 @@ from __future__ import annotations
 import os
 import signal
 
+POINTS = ("teacher-shard-tmp", "teacher-shard", "checkpoint", "ssm-saved")
+"""Every crash point the code passes (tests/test_train_resume.py kills a run at each)."""
 _counts: dict[str, int] = {}
 
 
 def crash_point(point: str) -> None:
+    assert point in POINTS, point
     spec = os.environ.get("BOOSTTUNE_KILL_AT")
     if not spec:
         return

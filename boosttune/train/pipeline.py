@@ -33,7 +33,7 @@ from boosttune.train.draft_ranking import ensure_draft_ranking
 from boosttune.train.faults import crash_point
 from boosttune.train.matching import is_match, summarize_agreement, teacher_forced_agreement
 from boosttune.train.sources import TrainPrompt, collect_prompts, default_seeds
-from boosttune.train.teacher import load_teacher, run_teacher
+from boosttune.train.teacher import load_teacher, remove_shard_temporaries, run_teacher
 
 # Fields that may differ when a run is resumed (how it runs, not what it computes).
 _RESUMABLE_CHANGES = ("optim.devices", "optim.num_nodes", "optim.accelerator", "optim.strategy", "optim.logger",
@@ -57,9 +57,13 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def check_or_save_config(cfg: TrainConfig, run: RunDir) -> None:
-    """First run: save the resolved config. Resume: refuse changes that would alter the results."""
+    """First run: save the resolved config. Resume: refuse changes that would alter the results, and
+    write the file only when it changes (a finished run can be re-opened read-only)."""
     path = run.config_path
+    text = dump_yaml(cfg)
     if path.exists():
+        if path.read_text(encoding="utf-8") == text:
+            return
         old = load_config(path)
         a, b = _flatten(to_dict(old)), _flatten(to_dict(cfg))
         changed = [k for k in sorted(a.keys() | b.keys())
@@ -70,7 +74,7 @@ def check_or_save_config(cfg: TrainConfig, run: RunDir) -> None:
                 f"{k}: this run directory was started with {k}={a.get(k)!r}, now {b.get(k)!r}; resume with the "
                 f"same settings or use a new --run-dir ({len(changed)} field(s) differ: {', '.join(changed[:5])})")
     if dist.is_main():
-        atomic_write_text(path, dump_yaml(cfg))
+        atomic_write_text(path, text)
 
 
 def preflight(cfg: TrainConfig) -> None:
@@ -334,6 +338,21 @@ def _publish_model(model, tokenizer, out: Path, marker: dict, stats: dict | None
 
 
 # ------------------------------------------------------------------------------------------ report
+def eval_settings(cfg: TrainConfig) -> dict:
+    """What the τ evaluation of a run's SSMs depends on besides the SSMs (JSON types)."""
+    return json.loads(json.dumps({"eval": to_dict(cfg.eval), "tree": asdict(cfg.tree),
+                                  "eval_dtype": cfg.llm.eval_dtype}))
+
+
+def previous_evaluation(run: RunDir, settings: dict) -> dict | None:
+    """report.json's evaluation if it was made with ``settings`` (None: none, or other settings)."""
+    try:
+        evaluation = json.loads(run.report_path.read_text()).get("evaluation")
+    except (OSError, ValueError, AttributeError):  # no report yet, or a damaged one: evaluate again
+        return None
+    return evaluation if isinstance(evaluation, dict) and evaluation.get("settings") == settings else None
+
+
 def write_report(cfg: TrainConfig, run: RunDir, teacher: dict, prompts_info: dict, stages: list[dict],
                  evaluation: dict | None) -> dict:
     report = {
@@ -347,7 +366,9 @@ def write_report(cfg: TrainConfig, run: RunDir, teacher: dict, prompts_info: dic
         "evaluation": evaluation,
     }
     if dist.is_main():
-        atomic_write_json(run.report_path, report)
+        text = json.dumps(report, indent=2) + "\n"
+        if not run.report_path.is_file() or run.report_path.read_text() != text:  # unchanged: not rewritten
+            atomic_write_text(run.report_path, text)
     return report
 
 
@@ -368,6 +389,7 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
         if cfg.teacher.reuse_from:
             reuse_teacher(cfg, run)
         build_prompts(cfg, run, llm)
+        remove_shard_temporaries(run)  # a killed run's; no rank writes shards before the barrier
     dist.barrier()
     prompts_info = run.prompts_info()
     prompts = read_prompts_file(run)
@@ -388,19 +410,28 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
     tokenizer = llm.tokenizer
     del llm  # the LLM is not needed while SSMs train (frees an accelerator's memory)
 
-    stages = []
+    stages, trained = [], False
     for k in range(1, cfg.boost.num_ssms + 1):
+        done = is_complete(run.ssm_dir(k)) and run.stage_summary(k).exists()
         stages.append(run_stage(cfg, run, k, init_dir, tokenizer, train_samples, held_samples, pad_id))
-        write_report(cfg, run, teacher, prompts_info, stages, None)
+        if not done:  # the report lists what a killed run finished (stages done before: below)
+            trained = True
+            write_report(cfg, run, teacher, prompts_info, stages, None)
         s = stages[-1]
         _log(f"stage {k}: pool {s['pool_before']} -> {s['pool_after']}, match {s['match_rate']:.3f}, "
              f"held-out top-1 {s['heldout_top1']:.3f}, ensemble held-out match {s['ensemble_match_rate']:.3f}")
 
-    evaluation = None
-    if cfg.eval.enabled and dist.is_main():
+    settings = eval_settings(cfg)
+    evaluation = None  # τ of these SSMs with these settings, when report.json has it already
+    if cfg.eval.enabled and dist.is_main() and not trained:
+        evaluation = previous_evaluation(run, settings)
+    # every finished stage in report.json (evaluate_run reads them there; a run killed after a
+    # stage's summary but before its report write left one out)
+    write_report(cfg, run, teacher, prompts_info, stages, evaluation)
+    if cfg.eval.enabled and dist.is_main() and evaluation is None:
         from boosttune.train.evaluate import evaluate_run
 
-        evaluation = evaluate_run(cfg, run, prompts[n_train:])
+        evaluation = {**evaluate_run(cfg, run, prompts[n_train:]), "settings": settings}
     report = write_report(cfg, run, teacher, prompts_info, stages, evaluation)
     dist.barrier()
     if cfg.scheduler.prompts and dist.is_main():

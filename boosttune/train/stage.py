@@ -3,14 +3,14 @@
 Checkpoints are written every ``optim.checkpoint_every`` steps and at the end to a temporary name
 and renamed to the stage's checkpoint (``RunDir.stage_checkpoint``: a file, or a folder under DeepSpeed), so a kill
 at any moment leaves the previous whole checkpoint; running again resumes from it (optimizer,
-scheduler, step and data order included).
+scheduler, step and the position in the data order included) and ends with the weights a run never
+interrupted ends with (tests/test_train_resume.py).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import time
 from pathlib import Path
 
 import lightning as L
@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from boosttune.config import TrainConfig
 from boosttune.train import dist
-from boosttune.train.distill import BatchDataset, DistillModule, Sample
+from boosttune.train.distill import BatchDataset, BatchOrder, DistillModule, Sample
 from boosttune.train.faults import crash_point
 
 
@@ -55,6 +55,17 @@ class AtomicCheckpoint(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._save(trainer)
+
+
+class ResumeDataOrder(L.Callback):
+    """A resumed stage continues the data order at the step of the checkpoint it resumes from."""
+
+    def __init__(self, order: BatchOrder, grad_accum: int):
+        self.order, self.grad_accum = order, grad_accum
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        # called before the training loop first iterates the data
+        self.order.resume_at(int(checkpoint["global_step"]), self.grad_accum)
 
 
 def resume_checkpoint(path: Path) -> Path | None:
@@ -122,8 +133,13 @@ def train_stage(model, samples: list[Sample], cfg: TrainConfig, stage_dir: Path,
     if cfg.lora.enabled:
         model = apply_lora(model, cfg)
     module = DistillModule(model, o)
+    if not samples:
+        raise ValueError(f"{stage_dir}: no sample to train on (the LLM's continuations of this stage's prompts are "
+                         "all empty); add prompts or raise teacher.max_new_tokens")
     data = BatchDataset(samples, o.batch_tokens, pad_id, seed)
-    loader = DataLoader(data, batch_size=None, shuffle=True, num_workers=0,
+    order = BatchOrder(len(data), seed, rank=dist.rank(), world=dist.world_size())
+    # the generator only keeps the loader from drawing its base seed from the global RNG
+    loader = DataLoader(data, batch_size=None, sampler=order, num_workers=0,
                         generator=torch.Generator().manual_seed(seed))
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     trainer = L.Trainer(
@@ -131,22 +147,22 @@ def train_stage(model, samples: list[Sample], cfg: TrainConfig, stage_dir: Path,
         precision=precision(cfg), max_steps=o.max_steps, max_epochs=-1,
         max_time={"minutes": o.max_minutes} if o.max_minutes > 0 else None,
         accumulate_grad_batches=o.grad_accum, gradient_clip_val=o.grad_clip or None,
-        logger=_logger(cfg, stage_dir), callbacks=[AtomicCheckpoint(ckpt, o.checkpoint_every)],
+        logger=_logger(cfg, stage_dir),
+        callbacks=[AtomicCheckpoint(ckpt, o.checkpoint_every), ResumeDataOrder(order, o.grad_accum)],
         enable_checkpointing=False, default_root_dir=str(stage_dir), log_every_n_steps=5,
-        enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=True,
+        # BatchOrder gives each rank its share already
+        enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
     )
     resume = resume_checkpoint(ckpt)
-    t0 = time.perf_counter()
     trainer.fit(module, train_dataloaders=loader, ckpt_path=str(resume) if resume else None)
-    secs = time.perf_counter() - t0
-    world = dist.world_size()  # every rank sees a different slice of the batches
-    tokens, tokens_run = module.tokens_seen * world, module.tokens_this_run * world
-    loss = trainer.callback_metrics.get("train/loss")
+    # over every run of the stage (from the checkpoint): one resumed from its final checkpoint trains no step
+    secs = module.train_seconds()
+    tokens = module.tokens_seen * dist.world_size()  # every rank sees a different slice of the batches
     stats = {
         "steps": int(trainer.global_step), "train_samples": len(samples),
         "train_tokens": int(tokens), "train_seconds": secs,
-        "train_tokens_per_s": tokens_run / secs if secs > 0 and tokens_run else None,
-        "train_loss": float(loss) if loss is not None else None,
+        "train_tokens_per_s": tokens / secs if secs > 0 and tokens else None,
+        "train_loss": module.last_loss(),
         "resumed_from_step": module.resumed_from_step, "precision": precision(cfg), "world_size": dist.world_size(),
         "strategy": type(trainer.strategy).__name__,
     }

@@ -195,3 +195,12 @@ def load_teacher(run: RunDir, n_prompts: int, shard_size: int):
     parts = [datasets.Dataset.from_file(str(run.teacher_shard(k)))
              for k in range(num_shards(n_prompts, shard_size))]
     return datasets.concatenate_datasets(parts)
+
+
+def remove_shard_temporaries(run: RunDir) -> list[Path]:
+    """Delete the temporary files of shards a killed run was writing (``.shard-*.tmp``; never read:
+    the shard is redone). Call it while no rank writes shards. Returns what was deleted."""
+    stale = sorted(run.teacher_dir.glob(".shard-*.tmp"))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
