@@ -14,7 +14,15 @@ import json
 import pytest
 import torch
 from conftest import perturbed, tiny_llama
-from test_engine_sampling import VOCAB, exact_distribution, pvalue, run_engine, sampling_models
+from test_engine_sampling import (
+    NEGATIVE_RUNS,
+    VOCAB,
+    _accept_always,
+    exact_distribution,
+    pvalue,
+    run_engine,
+    sampling_models,
+)
 
 from boosttune.assemble import engine_from_models
 from boosttune.serving.builders import TreeConfig
@@ -126,23 +134,24 @@ def _likeliest_first_token(exact: dict[tuple[int, int], float]) -> int:
     return max(range(VOCAB), key=lambda t: sum(p for (a, _), p in exact.items() if a == t))
 
 
+def restricted_engine(excluded: int) -> SpeculativeEngine:
+    """The recipe: both sampling SSMs on draft vocabularies that leave ``excluded`` out."""
+    return _restricted_engine(*sampling_models(), excluded=excluded)
+
+
 def test_sampling_with_a_draft_vocabulary_keeps_the_llm_distribution():
-    llm, ssms = sampling_models()
+    llm, _ = sampling_models()
     exact = exact_distribution(llm)
     first = _likeliest_first_token(exact)
-    counts = run_engine(_restricted_engine(llm, ssms, excluded=first))
+    counts = run_engine(restricted_engine, (first,))
     assert sum(c for (a, _), c in counts.items() if a == first) > 0
     pv = pvalue(counts, exact)
     assert pv > 1e-3, f"chi-square p-value {pv:.2e}: a restricted draft vocabulary changed the output distribution"
 
 
-def test_negative_control_accept_always_with_a_draft_vocabulary_fails(monkeypatch):
-    from test_engine_sampling import _accept_always
-
-    import boosttune.serving.engine as engine_mod
-
-    llm, ssms = sampling_models()
-    monkeypatch.setattr(engine_mod, "stochastic_verify", _accept_always)
+def test_negative_control_accept_always_with_a_draft_vocabulary_fails():
+    llm, _ = sampling_models()
     exact = exact_distribution(llm)
-    pv = pvalue(run_engine(_restricted_engine(llm, ssms, excluded=_likeliest_first_token(exact))), exact)
+    counts = run_engine(restricted_engine, (_likeliest_first_token(exact),), runs=NEGATIVE_RUNS, verifier=_accept_always)
+    pv = pvalue(counts, exact)
     assert pv < 1e-6, f"the wrong verifier passed (p-value {pv:.2e}): the test has no power"

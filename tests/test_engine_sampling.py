@@ -3,11 +3,22 @@
 A 5-token vocabulary makes every 2-token continuation enumerable: the exact probability of each
 comes from the LLM's own processed distributions, and a chi-square test compares it with the
 engine's output over many seeds. The same test with an accept-always verifier must fail.
+
+Cost: each sample is a whole ``generate`` call of tiny models, so the seeds are split over
+``WORKERS`` spawned processes (one torch thread each), each rebuilding the same engine from a
+module-level recipe; the counts are exactly those of one process running every seed. The negative
+controls use fewer seeds (``NEGATIVE_RUNS``): the chi-square test's power against a fixed wrong
+distribution only grows with the sample size, so a control that fails at ``NEGATIVE_RUNS`` shows
+the ``RUNS``-sample test would catch that verifier too.
 """
 
 from __future__ import annotations
 
 import itertools
+import multiprocessing
+import os
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -24,6 +35,8 @@ VOCAB = 5
 PROMPT = [2, 3, 1]
 PARAMS = dict(temperature=0.9, top_k=4)
 RUNS = 2000
+NEGATIVE_RUNS = 500
+WORKERS = min(2, os.cpu_count() or 1)
 
 
 def exact_distribution(llm, prompt: list[int] = PROMPT) -> dict[tuple[int, int], float]:
@@ -35,20 +48,67 @@ def exact_distribution(llm, prompt: list[int] = PROMPT) -> dict[tuple[int, int],
     return {(a, b): float(p1[a] * p2[a, b]) for a, b in itertools.product(range(VOCAB), repeat=2)}
 
 
-def run_engine(eng: SpeculativeEngine, prompt: list[int] = PROMPT) -> dict[tuple[int, int], int]:
-    counts = {k: 0 for k in itertools.product(range(VOCAB), repeat=2)}
+def _count(eng: SpeculativeEngine, prompt: list[int], seeds) -> dict[tuple[int, int], int]:
+    counts = dict.fromkeys(itertools.product(range(VOCAB), repeat=2), 0)
     stop = StopCriteria(max_new_tokens=2)
-    for seed in range(RUNS):
+    for seed in seeds:
         out = eng.generate(prompt, stop, SamplingParams(seed=seed, **PARAMS))
         counts[tuple(out.tokens)] += 1
     return counts
 
 
+_STOCHASTIC_VERIFY = engine_mod.stochastic_verify
+
+
+def _worker_init() -> None:
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+
+
+def _worker_counts(recipe: Callable, args: tuple, verifier: Callable | None, prompt: list[int], seeds: range):
+    """In a worker: rebuild the engine from ``recipe(*args)`` and count its outputs over ``seeds``."""
+    _worker_init()  # again: unpickling ``recipe`` imported conftest, which sets two threads
+    # this worker serves later tests too: every task sets the verifier it needs
+    engine_mod.stochastic_verify = verifier if verifier is not None else _STOCHASTIC_VERIFY
+    eng = recipe(*args)
+    return _count(eng, prompt, seeds), _fingerprint(eng)
+
+
+def _fingerprint(eng: SpeculativeEngine) -> float:
+    """A checksum of the engine's LLM weights: the workers must sample the LLM the test computed."""
+    return float(sum(p.detach().double().sum() for p in eng.llm.model.parameters()))
+
+
+_POOL: list[ProcessPoolExecutor] = []
+
+
+def run_engine(recipe: Callable[..., SpeculativeEngine], args: tuple = (), prompt: list[int] = PROMPT,
+               runs: int = RUNS, verifier: Callable | None = None) -> dict[tuple[int, int], int]:
+    """Counts of each 2-token continuation of ``prompt`` over seeds ``0..runs-1`` of the engine
+    ``recipe(*args)`` (a module-level function, so that spawned workers can rebuild it), with
+    ``verifier`` in place of the stochastic verifier when given."""
+    if WORKERS == 1:
+        with pytest.MonkeyPatch.context() as mp:
+            if verifier is not None:
+                mp.setattr(engine_mod, "stochastic_verify", verifier)
+            return _count(recipe(*args), prompt, range(runs))
+    if not _POOL:
+        ctx = multiprocessing.get_context("spawn")
+        _POOL.append(ProcessPoolExecutor(WORKERS, mp_context=ctx, initializer=_worker_init))
+    jobs = [_POOL[0].submit(_worker_counts, recipe, args, verifier, prompt, range(w, runs, WORKERS))
+            for w in range(WORKERS)]
+    parts = [j.result() for j in jobs]
+    expected = _fingerprint(recipe(*args))
+    assert all(abs(f - expected) < 1e-6 * max(1.0, abs(expected)) for _, f in parts), "workers built another LLM"
+    return {k: sum(c[k] for c, _ in parts) for k in parts[0][0]}
+
+
 def pvalue(counts, exact) -> float:
-    keys = [k for k in counts if exact[k] * RUNS >= 5]
+    n = sum(counts.values())
+    keys = [k for k in counts if exact[k] * n >= 5]
     rest = [k for k in counts if k not in keys]
     obs = [counts[k] for k in keys] + [sum(counts[k] for k in rest)]
-    exp = [exact[k] * RUNS for k in keys] + [sum(exact[k] for k in rest) * RUNS]
+    exp = [exact[k] * n for k in keys] + [sum(exact[k] for k in rest) * n]
     if exp[-1] < 1e-9:  # nothing to pool: any output there is impossible
         if obs[-1]:
             return 0.0  # it produced a continuation the LLM gives probability 0
@@ -77,10 +137,15 @@ def make_engine(llm, ssms) -> SpeculativeEngine:
     return SpeculativeEngine(ModelRunner(llm), drafters, Plan(dict(zip(drafters, trees, strict=True))))
 
 
+def merged_engine() -> SpeculativeEngine:
+    """The recipe: both SSMs, a static and a dynamic tree, merged."""
+    return make_engine(*sampling_models())
+
+
 def test_sampling_keeps_the_llm_distribution(models):
-    llm, ssms = models
+    llm, _ = models
     exact = exact_distribution(llm)
-    pv = pvalue(run_engine(make_engine(llm, ssms)), exact)
+    pv = pvalue(run_engine(merged_engine), exact)
     assert pv > 1e-3, f"chi-square p-value {pv:.2e}: sampled output does not follow the LLM"
 
 
@@ -96,9 +161,8 @@ def _accept_always(tree, p_probs, generator):
     return path, int(torch.multinomial(p_probs[node + 1], 1, generator=generator))
 
 
-def test_negative_control_accept_always_fails(models, monkeypatch):
-    llm, ssms = models
-    monkeypatch.setattr(engine_mod, "stochastic_verify", _accept_always)
+def test_negative_control_accept_always_fails(models):
+    llm, _ = models
     exact = exact_distribution(llm)
-    pv = pvalue(run_engine(make_engine(llm, ssms)), exact)
+    pv = pvalue(run_engine(merged_engine, runs=NEGATIVE_RUNS, verifier=_accept_always), exact)
     assert pv < 1e-6, f"the wrong verifier passed (p-value {pv:.2e}): the test has no power"

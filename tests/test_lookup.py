@@ -6,9 +6,15 @@ import numpy as np
 import pytest
 import torch
 from conftest import perturbed, tiny_llama
-from test_engine_sampling import _accept_always, exact_distribution, pvalue, run_engine, sampling_models
+from test_engine_sampling import (
+    NEGATIVE_RUNS,
+    _accept_always,
+    exact_distribution,
+    pvalue,
+    run_engine,
+    sampling_models,
+)
 
-import boosttune.serving.engine as engine_mod
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.drafter import SSMDrafter
@@ -87,18 +93,24 @@ def models():
     return sampling_models()
 
 
+def sampling_lookup_engine(n_ssms: int) -> SpeculativeEngine:
+    """The recipe: prompt lookup proposing 2 tokens, merged with ``n_ssms`` SSMs."""
+    llm, ssms = sampling_models()
+    return lookup_engine(llm, ssms[:n_ssms], length=2)
+
+
 @pytest.mark.parametrize("n_ssms", [0, 1])
 def test_sampling_with_prompt_lookup_keeps_the_llm_distribution(models, n_ssms):
-    llm, ssms = models
+    llm, _ = models
     assert cont(PROMPT, 2) == [2, 3]
     exact = exact_distribution(llm, PROMPT)
     assert exact[(2, 3)] < 0.5, "the lookup chain must not be the LLM's near-certain choice"
-    pv = pvalue(run_engine(lookup_engine(llm, ssms[:n_ssms], length=2), PROMPT), exact)
+    pv = pvalue(run_engine(sampling_lookup_engine, (n_ssms,), PROMPT), exact)
     assert pv > 1e-3, f"chi-square p-value {pv:.2e}: sampled output with prompt lookup does not follow the LLM"
 
 
-def test_negative_control_accepting_lookup_drafts_blindly_fails(models, monkeypatch):
+def test_negative_control_accepting_lookup_drafts_blindly_fails(models):
     llm, _ = models
-    monkeypatch.setattr(engine_mod, "stochastic_verify", _accept_always)
-    pv = pvalue(run_engine(lookup_engine(llm, length=2), PROMPT), exact_distribution(llm, PROMPT))
+    counts = run_engine(sampling_lookup_engine, (0,), PROMPT, runs=NEGATIVE_RUNS, verifier=_accept_always)
+    pv = pvalue(counts, exact_distribution(llm, PROMPT))
     assert pv < 1e-6, f"the wrong verifier passed (p-value {pv:.2e}): the test has no power"
