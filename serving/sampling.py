@@ -69,6 +69,9 @@ def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the token that crosses it stays)
         drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        # the likeliest token always stays: a top_p below fp32's smallest number rounds to 0 in the
+        # comparison above, which would otherwise drop every token (NaN probabilities)
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)

@@ -106,7 +106,9 @@ def _requests(draw) -> tuple[str, object]:
     return ("/v1/chat/completions" if chat else "/v1/completions"), body
 
 
-@settings(max_examples=250, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: every CI run sends the same 250 requests (a random draw once found a top_p of 1e-154
+# that NaN-ed the sampler: tests/test_verify_stochastic.py now pins that case)
+@settings(max_examples=250, deadline=None, database=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(request=_requests())
 def test_generated_requests_never_get_a_5xx(http, request):
     path, body = request

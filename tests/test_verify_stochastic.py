@@ -271,3 +271,13 @@ def test_full_path_accepted_when_drafts_match_a_one_hot_p() -> None:
 def test_empty_tree_samples_the_root_distribution() -> None:
     p = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
     assert stochastic_verify(TokenTree.empty(), p, torch.Generator().manual_seed(5)) == ([], 2)
+
+
+@pytest.mark.parametrize("top_p", [1e-154, 1e-50, 1e-9])
+def test_a_vanishing_top_p_keeps_the_likeliest_token(top_p):
+    """top_p below fp32's range once dropped every token (NaN probabilities, a 500 in the server)."""
+    from boosttune.serving.sampling import SamplingParams, logits_to_probs
+
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.9]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=0.7, top_p=top_p))
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
