@@ -53,8 +53,19 @@ def digest(path: Path) -> str:
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("tiny") / "run"
-    ok(train(run))
+    proc = train(run)
+    ok(proc)
+    (run.parent / "stderr.txt").write_text(proc.stderr)
     return run
+
+
+def test_progress_is_plain_lines_when_output_is_not_a_terminal(tiny_run: Path) -> None:
+    """Cluster jobs write to files, where tqdm hides its bars: each phase still reports its figures."""
+    lines = (tiny_run.parent / "stderr.txt").read_text().splitlines()
+    teacher = [x for x in lines if x.startswith("[boosttune] teacher[rank 0, batched]: ")]
+    assert teacher and "(done)" in teacher[-1] and "tok_s=" in teacher[-1], lines[-20:]
+    n = json.loads((tiny_run / "prompts" / "complete.json").read_text())["count"]
+    assert f": {n}/{n} prompt (100%)" in teacher[-1]
 
 
 def test_report_has_one_entry_per_stage(tiny_run: Path) -> None:

@@ -12,11 +12,10 @@ import statistics
 import time
 from dataclasses import asdict
 
-from tqdm import tqdm
-
 from boosttune.assemble import engine_from_models
 from boosttune.config import TrainConfig
 from boosttune.core.models import eos_token_ids, load_llm_and_ssms, parse_dtype
+from boosttune.core.progress import progress
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.core.rundir import RunDir, ssm_name
 from boosttune.serving.draft_vocab import load_ranking
@@ -75,7 +74,7 @@ def evaluate_run(cfg: TrainConfig, run: RunDir, held_out: list[TrainPrompt]) -> 
     runs = [(ssm_name(k + 1), [s.model]) for k, s in enumerate(ssms)]
     if len(ssms) > 1:
         runs.append(("ensemble", [s.model for s in ssms]))
-    for name, models in tqdm(runs, desc="evaluate τ", unit="config", disable=None):
+    for name, models in progress(runs, desc="evaluate τ", unit="config"):
         r = tau_of(engine_from_models(llm.model, models, tree, ranking=ranking), prompts, stop)
         r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
         if name == "ensemble":

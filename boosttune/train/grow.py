@@ -10,8 +10,8 @@ from __future__ import annotations
 import random
 
 import torch
-from tqdm import tqdm
 
+from boosttune.core.progress import progress
 from boosttune.core.prompts import Prompt, encode_prompt
 from boosttune.train.teacher import generate_batch
 
@@ -36,7 +36,7 @@ def grow_prompts(model, tokenizer, seeds: list[Prompt], n: int, eos_ids: frozens
     seen = {s.text.strip().lower() for s in seeds}
     out: list[Prompt] = []
     torch.manual_seed(seed)
-    for b in tqdm(range(0, n, batch_size), desc="grow prompts", unit="batch", disable=None):
+    for b in progress(range(0, n, batch_size), desc="grow prompts", unit="batch"):
         batch = picks[b:b + batch_size]
         asks = [encode_prompt(tokenizer, _ASK.format(category=p.category, seed=p.text)) for p in batch]
         conts = generate_batch(model, asks, max_new_tokens, 0.8, 0.95, pad, eos_ids)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pyarrow as pa
 import torch
-from tqdm import tqdm
 
 from boosttune.config import TeacherConfig
+from boosttune.core.progress import progress
 from boosttune.core.rundir import RunDir
 from boosttune.train import batched_decode
 from boosttune.train.faults import crash_point
@@ -157,8 +157,8 @@ def run_teacher(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
     backend = resolve_backend(cfg, model)
     tokens, t0 = 0, time.perf_counter()
-    bar = tqdm(total=len(todo), desc=f"teacher[rank {rank}, {backend}]", unit="shard", dynamic_ncols=True,
-               disable=None)
+    n_todo = sum(len(prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size]) for k in todo)
+    bar = progress(total=n_todo, desc=f"teacher[rank {rank}, {backend}]", unit="prompt")
     for k in todo:
         shard = list(prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size])
         # Length-sorted batches pad less; results go back to prompt order.
@@ -173,8 +173,8 @@ def run_teacher(
                 conts[i] = c
                 tokens += len(c.output_ids)
             bar.set_postfix(tok=tokens, tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+            bar.update(len(idx))
         _write_shard(run.teacher_shard(k), shard, conts, cfg.topk_logprobs)
-        bar.update(1)
     bar.close()
     secs = time.perf_counter() - t0
     return {"shards_written": len(todo), "tokens": tokens, "seconds": secs, "backend": backend,
