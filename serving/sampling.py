@@ -14,13 +14,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+# Lower temperatures decode greedily, as in vLLM: the T -> 0 limit up to ties, and logits / T would
+# overflow fp32 below about 1e-36 (a temperature of 1e-300 gave NaN probabilities).
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How the LLM's next token is chosen.
 
     Attributes:
-        temperature: 0 selects greedy decoding (argmax); > 0 samples from softmax(logits / T).
+        temperature: 0 (or below ``GREEDY_BELOW``) selects greedy decoding (argmax); above, samples
+            from softmax(logits / T).
         top_p: nucleus sampling mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 disables it.
         seed: seed of the request's random generator (None: nondeterministic).
@@ -41,7 +46,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         g = torch.Generator(device=device)

@@ -92,8 +92,8 @@ def generate_batch(
         if temperature > 0:
             raise ValueError("the batched teacher backend is greedy only (temperature 0)")
         outs, top_ids, top_lps = batched_decode.greedy_batch(model, prompts, max_new_tokens, eos_ids, pad_id, topk)
-        return [Continuation(o, "stop" if o and o[-1] in eos_ids else "length",
-                             top_ids[r] if topk else None, top_lps[r] if topk else None)
+        # greedy_batch stops each row at its first EOS: _cut_at_eos only names the finish
+        return [Continuation(*_cut_at_eos(o, eos_ids), top_ids[r] if topk else None, top_lps[r] if topk else None)
                 for r, o in enumerate(outs)]
     return _hf_generate(model, prompts, max_new_tokens, temperature, top_p, pad_id, eos_ids, topk)
 

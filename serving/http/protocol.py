@@ -30,9 +30,6 @@ from boosttune.serving.sampling import SamplingParams
 MAX_STOP_STRINGS = 4
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: clients that want greedy send temperature 0
-# Lower temperatures sample greedily, as in vLLM: the T → 0 limit, up to ties, and logits / T would
-# overflow fp32 below about 1e-36 (the engine failed on 1e-300 with NaN probabilities).
-GREEDY_BELOW = 1e-5
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -223,8 +220,6 @@ def _common(body: _SamplingFields, limits: ModelLimits) -> tuple[SamplingParams,
     top_p = 1.0 if body.top_p is None else body.top_p
     top_k = 0 if body.top_k is None else body.top_k
     _check(0.0 <= temperature <= 2.0, f"temperature must be between 0 and 2 (0 = greedy), got {temperature}.", "temperature")
-    if temperature < GREEDY_BELOW:
-        temperature = 0.0
     _check(0.0 < top_p <= 1.0, f"top_p must be in (0, 1], got {top_p}.", "top_p")
     _check(top_k >= 0, f"top_k must be >= 0 (0 disables it), got {top_k}.", "top_k")
     n = 1 if body.n is None else body.n
