@@ -1,26 +1,64 @@
-"""`boosttune export RUN_DIR --out BUNDLE`: a training run's servable parts as one bundle."""
+"""`boosttune export RUN_DIR --out OUT [--format bundle|hf|gguf]`: a training run's SSMs for serving.
+
+``bundle`` (default) is boosttune's own servable bundle (``boosttune/export.py``); ``hf`` writes each
+SSM as a Hugging Face model folder for vLLM, SGLang and transformers assisted generation
+(``boosttune/export_hf.py``); ``gguf`` writes each SSM as a llama.cpp draft model
+(``boosttune/export_gguf.py``).
+"""
 
 from __future__ import annotations
 
 import argparse
 
+FORMATS = ("bundle", "hf", "gguf")
+
 
 def add_commands(sub) -> dict:
     """Add the export subcommand; returns its handler by name."""
-    e = sub.add_parser("export", help="write a servable bundle (manifest, tokenizer, SSMs, scheduler) from a run")
+    from boosttune.export_gguf import GGUF_TYPES
+
+    e = sub.add_parser("export", help="write a run's SSMs for serving: a boosttune bundle (manifest, tokenizer, SSMs, "
+                                      "scheduler), Hugging Face model folders, or llama.cpp GGUF draft models")
     e.add_argument("run_dir", metavar="RUN_DIR", help="a `boosttune train` run directory")
-    e.add_argument("--out", required=True, metavar="BUNDLE", help="the bundle directory to create")
+    e.add_argument("--out", required=True, metavar="OUT", help="the directory to create")
+    e.add_argument("--format", choices=FORMATS, default="bundle",
+                   help="bundle: for boosttune serve/generate/bench (default); hf: one Hugging Face model folder "
+                        "per SSM (OUT/ssm-K/, for vLLM, SGLang, transformers assisted generation); gguf: one "
+                        "llama.cpp draft model per SSM (OUT/ssm-K.TYPE.gguf, for llama-server --model-draft)")
     e.add_argument("--force", action="store_true", help="replace --out if it exists")
     e.add_argument("--draft-vocab", type=int, default=None, metavar="K",
-                   help="SSMs draft over the K tokens the LLM writes most (cheaper drafts; 0: whole vocabulary; "
-                        "default: the run's tree)")
-    e.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
-                   help="serve with a prompt-lookup drafter proposing up to N tokens when no learned scheduler "
-                        "decides (no scheduler in the bundle, or serve --no-scheduler); 0 = off")
+                   help="bundle: SSMs draft over the K tokens the LLM writes most (cheaper drafts; 0: whole "
+                        "vocabulary; default: the run's tree)")
+    e.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
+                   help="bundle: serve with a prompt-lookup drafter proposing up to N tokens when no learned "
+                        "scheduler decides (no scheduler in the bundle, or serve --no-scheduler); 0 = off (default)")
+    e.add_argument("--gguf-type", choices=GGUF_TYPES, default=None,
+                   help=f"gguf: weight type of the files (default {GGUF_TYPES[0]}; norms stay f32)")
+    e.add_argument("--llm-gguf", default=None, metavar="PATH",
+                   help="gguf: the LLM's own GGUF, whose tokenizer the draft files copy (llama.cpp pairs a draft "
+                        "only with a target of the same vocabulary); default: the embedded SmolLM2's")
     return {"export": cmd_export}
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """Flags of one format given with another: an error naming the flag, before any work."""
+    only = {"--draft-vocab": ("bundle", args.draft_vocab), "--prompt-lookup": ("bundle", args.prompt_lookup),
+            "--gguf-type": ("gguf", args.gguf_type), "--llm-gguf": ("gguf", args.llm_gguf)}
+    for flag, (fmt, value) in only.items():
+        if value is not None and args.format != fmt:
+            raise ValueError(f"{flag} applies to --format {fmt} only (this export is --format {args.format})")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
+    _check_flags(args)
+    if args.format == "hf":
+        return _export_hf(args)
+    if args.format == "gguf":
+        return _export_gguf(args)
+    return _export_bundle(args)
+
+
+def _export_bundle(args: argparse.Namespace) -> int:
     from boosttune.core.rundir import RunDir
     from boosttune.export import export_bundle
     from boosttune.train.draft_ranking import ensure_draft_ranking
@@ -30,7 +68,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     run = RunDir(args.run_dir)
     if run.prompts_info() is not None:  # runs from before the ranking existed: count it from their teacher outputs
         ensure_draft_ranking(run)
-    res = export_bundle(run, args.out, force=args.force, draft_vocab=args.draft_vocab, prompt_lookup=args.prompt_lookup)
+    res = export_bundle(run, args.out, force=args.force, draft_vocab=args.draft_vocab,
+                        prompt_lookup=args.prompt_lookup or 0)
     m = res.manifest
     print(
         f"bundle {res.bundle}: LLM {m.llm.ref} (sha256 {m.llm.sha256[:12]}), "
@@ -38,4 +77,26 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"draft vocabulary {m.tree.draft_vocab or 'whole'}, prompt lookup {m.prompt_lookup or 'off'}, "
         f"{len(m.files)} files, {res.total_bytes / 1e6:.1f} MB"
     )
+    return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from boosttune.export_hf import export_hf
+
+    res = export_hf(args.run_dir, args.out, force=args.force)
+    names = ", ".join(p.name for p in res.models)
+    print(f"hf {res.out}: {len(res.models)} model folders ({names}), {res.total_bytes / 1e6:.1f} MB; "
+          f"each loads with AutoModelForCausalLM.from_pretrained and its README.md shows vLLM, SGLang and "
+          f"transformers draft use")
+    return 0
+
+
+def _export_gguf(args: argparse.Namespace) -> int:
+    from boosttune.export_gguf import GGUF_TYPES, export_gguf
+
+    res = export_gguf(args.run_dir, args.out, gguf_type=args.gguf_type or GGUF_TYPES[0], llm_gguf=args.llm_gguf,
+                      force=args.force)
+    names = ", ".join(p.name for p in res.files)
+    print(f"gguf {res.out}: {names} ({res.total_bytes / 1e6:.1f} MB), tokenizer from {res.llm_gguf}; "
+          f"use: llama-server -m LLM.gguf --model-draft {res.files[0]}")
     return 0
