@@ -1,6 +1,7 @@
 """`boosttune export RUN_DIR --format gguf --out DIR`: each SSM as a llama.cpp GGUF draft model.
 
-``DIR/<ssm name>.<type>.gguf`` is what ``llama-server -m LLM.gguf --model-draft SSM.gguf`` loads.
+``DIR/<ssm name>.<type>.gguf`` is what ``llama-server -m LLM.gguf --model-draft SSM.gguf`` loads
+(recent llama.cpp also needs ``--spec-type draft-simple`` to speculate with it; its default is none).
 The file is written with the ``gguf`` library's ``GGUFWriter`` in llama.cpp's "llama" architecture:
 
 - hyperparameters under ``llama.*`` (block count, widths, heads, rope base and dimension, RMS-norm

@@ -154,7 +154,9 @@ print(tok.decode(out[0], skip_special_tokens=True))
 ```
 
 For llama.cpp, export the GGUF instead: `boosttune export RUN_DIR --format gguf --out DIR`, then
-`llama-server -m LLM.gguf --model-draft DIR/{ssm.name}.f16.gguf`.
+`llama-server -m LLM.gguf --model-draft DIR/{ssm.name}.f16.gguf --spec-type draft-simple` (recent
+llama.cpp speculates only when `--spec-type` asks; older builds, without that flag, do with
+`--model-draft` alone).
 """
 
 

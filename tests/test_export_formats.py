@@ -375,15 +375,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.skipif(_llama_server() is None, reason="no llama-server (set BOOSTTUNE_LLAMA_SERVER or put it on PATH)")
-def test_llama_server_accepts_the_exported_draft(smol_gguf, tmp_path):
+def _serve_one_completion(draft: Path, log: Path) -> dict:
+    """Start llama-server with the default LLM and ``draft``, send one greedy /completion, stop it;
+    returns the reply's timings (``draft_n`` counts drafted tokens when speculation ran)."""
     from boosttune.core.models import default_gguf_path
 
-    draft = smol_gguf
+    server = _llama_server()
+    # Recent llama.cpp loads --model-draft but speculates only when asked (--spec-type; default none).
+    spec = ["--spec-type", "draft-simple"] if "--spec-type" in subprocess.run(
+        [server, "--help"], capture_output=True, text=True).stdout else []
     port = _free_port()
-    log = tmp_path / "server.log"
     with log.open("w") as f:
-        proc = subprocess.Popen([_llama_server(), "-m", str(default_gguf_path()), "--model-draft", str(draft),
+        proc = subprocess.Popen([server, "-m", str(default_gguf_path()), "--model-draft", str(draft), *spec,
                                  "--threads", "1", "--threads-draft", "1", "--ctx-size", "512", "--port", str(port),
                                  "--host", "127.0.0.1"], stdout=f, stderr=subprocess.STDOUT)
     try:
@@ -402,9 +405,38 @@ def test_llama_server_accepts_the_exported_draft(smol_gguf, tmp_path):
         req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=body,
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
-            reply = json.loads(r.read())
-        assert reply["timings"].get("draft_n", 0) > 0, reply
+            return json.loads(r.read())["timings"]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    assert "not compatible" not in log.read_text()
+
+
+def _rewrite_gguf(src: Path, dst: Path, key: str, value) -> Path:
+    """A copy of a GGUF model file with one metadata value changed (tensors copied as stored)."""
+    reader = gguf.GGUFReader(src)
+    fields = {k: v for k, v in read_fields(reader, "").items() if not k.startswith("GGUF.") and k != "general.architecture"}
+    fields[key] = replace(fields[key], value=value)
+    w = gguf.GGUFWriter(dst, "llama")
+    add_fields(w, fields)
+    for t in reader.tensors:
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.skipif(_llama_server() is None, reason="no llama-server (set BOOSTTUNE_LLAMA_SERVER or put it on PATH)")
+def test_llama_server_drafts_with_the_export_and_refuses_what_the_checker_refuses(smol_gguf, tmp_path):
+    from boosttune.core.models import default_gguf_path
+
+    timings = _serve_one_completion(smol_gguf, tmp_path / "good.log")
+    assert timings.get("draft_n", 0) > 0, (timings, (tmp_path / "good.log").read_text()[-3000:])
+    assert "not compatible" not in (tmp_path / "good.log").read_text()
+    # The same file with add_bos_token flipped: the checker and llama.cpp both refuse it (the server
+    # then runs without speculation).
+    bad = _rewrite_gguf(smol_gguf, tmp_path / "bad.gguf", "tokenizer.ggml.add_bos_token", True)
+    assert check_draft_gguf(default_gguf_path(), bad)
+    timings = _serve_one_completion(bad, tmp_path / "bad.log")
+    assert "draft_n" not in timings and "not compatible" in (tmp_path / "bad.log").read_text()

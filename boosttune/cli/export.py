@@ -98,5 +98,5 @@ def _export_gguf(args: argparse.Namespace) -> int:
                       force=args.force)
     names = ", ".join(p.name for p in res.files)
     print(f"gguf {res.out}: {names} ({res.total_bytes / 1e6:.1f} MB), tokenizer from {res.llm_gguf}; "
-          f"use: llama-server -m LLM.gguf --model-draft {res.files[0]}")
+          f"use: llama-server -m LLM.gguf --model-draft {res.files[0]} --spec-type draft-simple")
     return 0
