@@ -310,7 +310,7 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, serv
         "tokens_per_s": tps("ours"),
         "baseline_tokens_per_s": tps("baseline"),
         "hf_assisted_tokens_per_s": tps("hf_assisted"),
-        "greedy_identical": sum(a.tokens == b.tokens for a, b in zip(ours, base, strict=True)) if base else None,
+        "greedy_identical": sum(a.tokens == b.tokens for a, b in zip(ours, base, strict=True)) if base and ours else None,
         "hf_assisted_identical": sum(a.tokens == b.tokens for a, b in zip(hf, base, strict=True)) if base and hf else None,
         "hf_lookup_tokens_per_s": tps("hf_lookup"),
         "hf_lookup_identical": sum(a.tokens == b.tokens for a, b in zip(hfl, base, strict=True)) if base and hfl else None,
@@ -323,6 +323,7 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, serv
         "scheduler": served.scheduler is not None,
         "tree": asdict(next((served.engine.plan.trees[n] for n in served.ssms), cfg.tree or TreeConfig())),
         "plan": {name: asdict(tree) for name, tree in served.engine.plan.trees.items()},
+        "methods": [m for m in METHODS if m in results],
         "max_new_tokens": cfg.max_new_tokens,
         "mean_new_tokens": _mean([len(r.tokens) for r in ours or base]),
         "threads": torch.get_num_threads(),
@@ -334,34 +335,40 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, serv
         summary[f"{m}_tokens_per_s"] = tps(m)
         summary[f"{m}_identical"] = sum(a.tokens == b.tokens for a, b in zip(rs, base, strict=True)) if base else None
         summary[f"{m}_acceptance"] = info["draft_n_accepted"] / info["draft_n"] if info["draft_n"] else None
+        if m != "llama" and "llama" in results:  # llama.cpp's speculation against its own plain decoding
+            info["identical_to_llama"] = sum(a.tokens == b.tokens for a, b in zip(rs, results["llama"], strict=True))
     summary["llama_cpp"] = llama
     return summary
 
 
 def format_table(summary: dict) -> str:
-    """The summary as a small text table (llama.cpp rows only for the llama.cpp methods that ran);
-    "= baseline" counts the answers token-identical to the baseline's."""
+    """The summary as a small text table, one row per method that ran; "accept" is llama.cpp's draft
+    acceptance, "= baseline" counts the answers token-identical to the baseline's."""
     base = summary["baseline_tokens_per_s"]
-    rows = [
-        ("method", "tokens/s", "tau", "accept", "speedup", "= baseline"),
-        ("baseline (incremental)", f"{base:.2f}", "1.00", "-", "1.00", "-"),
-        ("hf_assisted", f"{summary['hf_assisted_tokens_per_s']:.2f}", "-", "-",
-         _ratio(summary["hf_assisted_tokens_per_s"], base), _fmt_int(summary["hf_assisted_identical"])),
-        ("hf_lookup", f"{summary['hf_lookup_tokens_per_s']:.2f}", "-", "-", _ratio(summary["hf_lookup_tokens_per_s"], base),
-         _fmt_int(summary["hf_lookup_identical"])),
-        ("ours (token tree)", f"{summary['tokens_per_s']:.2f}", f"{summary['tau']:.2f}", "-",
-         _ratio(summary["tokens_per_s"], base), _fmt_int(summary["greedy_identical"])),
-    ]
+    ran = summary.get("methods", METHODS)
+    rows = [("method", "tokens/s", "tau", "accept", "speedup", "= baseline")]
+    if "baseline" in ran:
+        rows.append(("baseline (incremental)", f"{base:.2f}", "1.00", "-", "1.00", "-"))
+    if "hf_assisted" in ran:
+        rows.append(("hf_assisted", f"{summary['hf_assisted_tokens_per_s']:.2f}", "-", "-",
+                     _ratio(summary["hf_assisted_tokens_per_s"], base), _fmt_int(summary["hf_assisted_identical"])))
+    if "hf_lookup" in ran:
+        rows.append(("hf_lookup", f"{summary['hf_lookup_tokens_per_s']:.2f}", "-", "-",
+                     _ratio(summary["hf_lookup_tokens_per_s"], base), _fmt_int(summary["hf_lookup_identical"])))
+    if "ours" in ran:
+        rows.append(("ours (token tree)", f"{summary['tokens_per_s']:.2f}", f"{summary['tau']:.2f}", "-",
+                     _ratio(summary["tokens_per_s"], base), _fmt_int(summary["greedy_identical"])))
     for m in (summary.get("llama_cpp") or {}).get("methods", {}):
         rows.append((f"{m} (llama.cpp)", f"{summary[f'{m}_tokens_per_s']:.2f}", "-", _fmt(summary[f"{m}_acceptance"]),
                      _ratio(summary[f"{m}_tokens_per_s"], base), _fmt_int(summary[f"{m}_identical"])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.append(
-        f"dtype={summary['dtype']} (SSMs {summary['ssm_dtype']})  questions={summary['total']}  greedy_identical={summary['greedy_identical']}"
-        f"  speedup_vs_hf_assisted={_fmt(summary['speedup_vs_hf_assisted'])}"
-    )
+    footer = (f"dtype={summary['dtype']} (SSMs {summary['ssm_dtype']})  questions={summary['total']}  "
+              f"threads={summary['threads']}  greedy_identical={summary['greedy_identical']}")
+    if summary["speedup_vs_hf_assisted"] is not None:
+        footer += f"  speedup_vs_hf_assisted={_fmt(summary['speedup_vs_hf_assisted'])}"
+    lines.append(footer)
     return "\n".join(lines)
 
 
