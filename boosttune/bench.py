@@ -4,6 +4,9 @@ All methods run in one process, one after another on each question, after a warm
 prompt ids; speedups are ratios of tokens/s measured in this run (the machine is noisy). Per-question
 answers follow Spec-Bench's schema (``new_tokens``, ``wall_time``, ``accept_lengths`` per turn;
 Xia et al. 2024, arXiv 2401.07851) in ``DIR/<method>.jsonl``; ``DIR/summary.json`` holds the totals.
+
+The llama.cpp methods (``llama``, ``llama_draft``, ``llama_ngram``; ``boosttune/llama_cpp.py``) run
+`llama-server` on the LLM's GGUF, one process per method for the whole run, on the same prompt ids.
 """
 
 from __future__ import annotations
@@ -11,13 +14,14 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from boosttune import assemble
+from boosttune import assemble, llama_cpp
 from boosttune.core.models import LoadedModel, eos_token_ids, parse_dtype
 from boosttune.core.prompts import Prompt, encode_prompt, read_prompts
 from boosttune.serving.builders import TreeConfig
@@ -26,9 +30,11 @@ from boosttune.serving.draft_vocab import find_ranking
 from boosttune.serving.engine import GenerationResult
 from boosttune.serving.stops import StopCriteria
 
-METHODS = ("baseline", "hf_assisted", "hf_lookup", "ours")
+METHODS = ("baseline", "hf_assisted", "hf_lookup", "ours", *llama_cpp.PEER_METHODS)
 DEFAULT_METHODS = ("baseline", "hf_assisted", "ours")
 BUNDLE_METHODS = ("baseline", "ours")
+# llama-server's context: the longest prompt, the answer, and room for one draft beyond it.
+_CTX_MARGIN = 128
 
 
 @dataclass
@@ -57,7 +63,14 @@ class BenchConfig:
             peer of ``prompt_lookup``), ours to run (None: baseline, hf_assisted, ours; with a bundle,
             baseline and ours).
         prompt_lookup: > 0 adds a prompt-lookup drafter (``serving/lookup.py``) proposing up to
-            this many tokens to ours, after the SSMs (None: the bundle's default, else 0 = off).
+            this many tokens to ours, after the SSMs (None: the bundle's default, else 0 = off);
+            also llama_ngram's draft length unless ``llama_draft_max``.
+        llama_server: the llama-server binary for the llama.cpp methods (None: $BOOSTTUNE_LLAMA_SERVER,
+            else where scripts/build_llama_server.sh puts it).
+        llm_gguf: the LLM as GGUF for the llama.cpp methods (None: the default LLM's own GGUF).
+        draft_gguf: the draft model of ``llama_draft`` (a GGUF from `boosttune export RUN --format gguf`).
+        llama_draft_max: the most tokens llama.cpp drafts per step (None: llama.cpp's default for
+            llama_draft; ``prompt_lookup`` or 8 for llama_ngram).
     """
 
     questions: str
@@ -75,6 +88,10 @@ class BenchConfig:
     methods: tuple[str, ...] | None = None
     draft_ranking: str | None = None
     prompt_lookup: int | None = None
+    llama_server: str | None = None
+    llm_gguf: str | None = None
+    draft_gguf: str | None = None
+    llama_draft_max: int | None = None
 
     def __post_init__(self) -> None:
         if self.methods is None:
@@ -87,7 +104,7 @@ class BenchConfig:
         if self.bundle is not None:
             if self.ssms:
                 raise ValueError("--ssm cannot be combined with --bundle: the bundle's SSMs are used")
-            peers = sorted(set(self.methods) - set(BUNDLE_METHODS))
+            peers = sorted(set(self.methods) - set(BUNDLE_METHODS) - set(llama_cpp.PEER_METHODS))
             if peers:
                 raise ValueError(f"--methods {peers}: with --bundle, bench runs what the bundle serves (ours) "
                                  "beside plain decoding (baseline); HF's peers take --llm/--ssm")
@@ -112,6 +129,29 @@ class BenchConfig:
         parse_dtype(self.dtype)
         if self.ssm_dtype is not None:
             parse_dtype(self.ssm_dtype)
+        self.llama_paths()
+
+    def llama_methods(self) -> list[str]:
+        """The llama.cpp methods asked for, in METHODS order."""
+        return [m for m in METHODS if m in llama_cpp.PEER_METHODS and m in self.methods]
+
+    def llama_paths(self) -> tuple[Path, Path, Path | None] | None:
+        """The llama-server binary, the LLM's GGUF and the draft GGUF the llama.cpp methods use (checked,
+        without loading anything); None when no llama.cpp method is asked for."""
+        peers = self.llama_methods()
+        if self.draft_gguf is not None and "llama_draft" not in peers:
+            raise ValueError("--draft-gguf is used by the 'llama_draft' method only: add it to --methods")
+        if not peers:
+            return None
+        if self.llama_draft_max is not None and self.llama_draft_max < 1:
+            raise ValueError(f"--llama-draft-max must be >= 1, got {self.llama_draft_max}")
+        if "llama_draft" in peers and self.draft_gguf is None:
+            raise ValueError("the 'llama_draft' method needs --draft-gguf PATH (a draft model's GGUF: "
+                             "`boosttune export RUN --format gguf` writes one; the LLM's own GGUF works for a test)")
+        binary = llama_cpp.find_server(self.llama_server)
+        gguf = llama_cpp.resolve_llm_gguf(self.llm_gguf, self.llm, self.bundle)
+        draft = llama_cpp.check_gguf(self.draft_gguf, "--draft-gguf") if self.draft_gguf is not None else None
+        return binary, gguf, draft
 
 
 def _hf_generate(llm: LoadedModel, ids: list[int], stop: StopCriteria, **assist) -> GenerationResult:
@@ -127,14 +167,44 @@ def _hf_generate(llm: LoadedModel, ids: list[int], stop: StopCriteria, **assist)
     return GenerationResult(new, [], time.perf_counter() - start, finish or "length")
 
 
+@dataclass
+class PeerGeneration(GenerationResult):
+    """A llama.cpp answer: no per-step accept lengths, but llama.cpp's own ``timings`` block."""
+
+    timings: dict = field(default_factory=dict)
+
+
+def _llama_generate(server: llama_cpp.LlamaServer, ids: list[int], stop: StopCriteria) -> PeerGeneration:
+    res = server.complete(ids, stop.max_new_tokens)
+    return PeerGeneration(res.tokens, [], res.wall_time, res.finish_reason, timings=res.timings)
+
+
+def _start_servers(cfg: BenchConfig, encoded: list[list[int]], out: Path, stack: ExitStack) -> dict[str, llama_cpp.LlamaServer]:
+    """One llama-server per llama.cpp method, each stopped when ``stack`` closes (errors and Ctrl-C too)."""
+    paths = cfg.llama_paths()
+    if paths is None:
+        return {}
+    binary, gguf, draft = paths
+    ctx = max(len(ids) for ids in encoded) + cfg.max_new_tokens + _CTX_MARGIN
+    ctx = -(-ctx // 256) * 256
+    servers = {}
+    for m in cfg.llama_methods():
+        extra = llama_cpp.method_args(m, draft, cfg.llama_draft_max, cfg.prompt_lookup)
+        server = llama_cpp.LlamaServer(binary, gguf, torch.get_num_threads(), ctx, extra, out / f"{m}.llama-server.log")
+        servers[m] = stack.enter_context(server)
+    return servers
+
+
 def _answer_record(prompt: Prompt, res: GenerationResult, text: str, model_id: str) -> dict:
+    choice = {
+        "index": 0, "turns": [text], "new_tokens": [len(res.tokens)], "wall_time": [res.wall_time],
+        "accept_lengths": res.accept_lengths,
+    }
+    if isinstance(res, PeerGeneration):
+        choice["llama_timings"] = [res.timings]
     return {
         "question_id": prompt.id, "category": prompt.category, "model_id": model_id,
-        "answer_id": f"{model_id}-{prompt.id}", "tstamp": time.time(),
-        "choices": [{
-            "index": 0, "turns": [text], "new_tokens": [len(res.tokens)], "wall_time": [res.wall_time],
-            "accept_lengths": res.accept_lengths,
-        }],
+        "answer_id": f"{model_id}-{prompt.id}", "tstamp": time.time(), "choices": [choice],
     }
 
 
@@ -159,26 +229,28 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     eos = eos_token_ids(llm)
     stop = StopCriteria(max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos)
 
-    def runners(stop: StopCriteria) -> dict[str, Callable[[list[int]], GenerationResult]]:
-        return {
-            "baseline": lambda ids: incremental_generate(llm.model, ids, stop),
-            "hf_assisted": lambda ids: _hf_generate(llm, ids, stop, assistant_model=ssms[0].model),
-            "hf_lookup": lambda ids: _hf_generate(llm, ids, stop, prompt_lookup_num_tokens=served.lookup),
-            "ours": lambda ids: served.generate(ids, stop, chat=cfg.chat),
-        }
-
     methods = [m for m in METHODS if m in cfg.methods]
     encoded = [encode_prompt(tok, p, chat=cfg.chat) for p in prompts]
-    warm_up = runners(StopCriteria(max_new_tokens=8, eos_token_ids=eos))
-    for m in methods:  # first calls pay for lazy initialisation
-        warm_up[m](encoded[0])
-    run = runners(stop)
-
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[GenerationResult]] = {m: [] for m in methods}
-    files = {m: open(out / f"{m}.jsonl", "w") for m in methods}
-    try:
+    with ExitStack() as stack:  # llama-servers and answer files: closed on errors and Ctrl-C too
+        servers = _start_servers(cfg, encoded, out, stack)
+
+        def runners(stop: StopCriteria) -> dict[str, Callable[[list[int]], GenerationResult]]:
+            return {
+                "baseline": lambda ids: incremental_generate(llm.model, ids, stop),
+                "hf_assisted": lambda ids: _hf_generate(llm, ids, stop, assistant_model=ssms[0].model),
+                "hf_lookup": lambda ids: _hf_generate(llm, ids, stop, prompt_lookup_num_tokens=served.lookup),
+                "ours": lambda ids: served.generate(ids, stop, chat=cfg.chat),
+                **{m: (lambda ids, s=s: _llama_generate(s, ids, stop)) for m, s in servers.items()},
+            }
+
+        warm_up = runners(StopCriteria(max_new_tokens=8, eos_token_ids=eos))
+        for m in methods:  # first calls pay for lazy initialisation
+            warm_up[m](encoded[0])
+        run = runners(stop)
+        files = {m: stack.enter_context(open(out / f"{m}.jsonl", "w")) for m in methods}
         for prompt, ids in tqdm(list(zip(prompts, encoded, strict=True)), desc="bench", disable=not progress):
             for m in methods:
                 res = run[m](ids)
@@ -186,16 +258,44 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
                 text = tok.decode(res.tokens, skip_special_tokens=True)
                 files[m].write(json.dumps(_answer_record(prompt, res, text, m)) + "\n")
                 files[m].flush()
-    finally:
-        for f in files.values():
-            f.close()
-    summary = summarize(results, cfg, served)
+        llama = _llama_summary(cfg, servers, results, eos) if servers else None
+    summary = summarize(results, cfg, served, llama)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
-def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, served: assemble.Served) -> dict:
-    """Spec-Bench style totals: tokens/s is the mean over questions of new tokens / wall time."""
+def _llama_summary(cfg: BenchConfig, servers: dict[str, llama_cpp.LlamaServer],
+                   results: dict[str, list[GenerationResult]], eos: frozenset[int]) -> dict:
+    """How the llama.cpp methods ran (binary, GGUFs, flags) and llama.cpp's own timings per method."""
+    first = next(iter(servers.values()))
+    per_method = {}
+    for m, server in servers.items():
+        rs = [r for r in results[m] if isinstance(r, PeerGeneration)]
+        per_method[m] = {
+            "args": server.extra,
+            "server_tokens_per_s": _mean([r.timings.get("predicted_per_second", float("nan")) for r in rs]),
+            "prompt_ms": _mean([r.timings.get("prompt_ms", float("nan")) for r in rs]),
+            "predicted_n": sum(r.timings.get("predicted_n", 0) for r in rs),
+            "draft_n": sum(r.timings.get("draft_n", 0) for r in rs),
+            "draft_n_accepted": sum(r.timings.get("draft_n_accepted", 0) for r in rs),
+            "prompt_cache_n": sum(r.timings.get("cache_n", 0) for r in rs),
+            "stopped": sum(r.finish_reason == "stop" for r in rs),
+            # llama.cpp stops at every end-of-generation token of the GGUF's vocabulary; ours at eos_token_ids
+            "stopped_outside_our_eos": sum(r.finish_reason == "stop" and r.tokens[-1] not in eos for r in rs if r.tokens),
+        }
+    return {"server": str(first.binary), "llm_gguf": str(first.model), "draft_gguf": cfg.draft_gguf,
+            "ctx_size": first.ctx_size, "threads": first.threads, "methods": per_method}
+
+
+def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, served: assemble.Served,
+              llama: dict | None = None) -> dict:
+    """Spec-Bench style totals: tokens/s is the mean over questions of new tokens / wall time.
+
+    ``llama``: the llama.cpp methods' run details (``_llama_summary``); each such method ``m`` also
+    gets ``m_tokens_per_s``, ``m_identical`` (answers token-identical to the baseline's; llama.cpp
+    runs the quantised GGUF with its own kernels, so this is information, not a requirement) and
+    ``m_acceptance`` (draft_n_accepted / draft_n; None when it drafted nothing).
+    """
     def tps(m: str) -> float:
         return _mean([len(r.tokens) / r.wall_time for r in results.get(m, [])])
 
@@ -210,7 +310,7 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, serv
         "tokens_per_s": tps("ours"),
         "baseline_tokens_per_s": tps("baseline"),
         "hf_assisted_tokens_per_s": tps("hf_assisted"),
-        "greedy_identical": sum(a.tokens == b.tokens for a, b in zip(ours, base, strict=True)) if base else None,
+        "greedy_identical": sum(a.tokens == b.tokens for a, b in zip(ours, base, strict=True)) if base and ours else None,
         "hf_assisted_identical": sum(a.tokens == b.tokens for a, b in zip(hf, base, strict=True)) if base and hf else None,
         "hf_lookup_tokens_per_s": tps("hf_lookup"),
         "hf_lookup_identical": sum(a.tokens == b.tokens for a, b in zip(hfl, base, strict=True)) if base and hfl else None,
@@ -223,34 +323,52 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, serv
         "scheduler": served.scheduler is not None,
         "tree": asdict(next((served.engine.plan.trees[n] for n in served.ssms), cfg.tree or TreeConfig())),
         "plan": {name: asdict(tree) for name, tree in served.engine.plan.trees.items()},
+        "methods": [m for m in METHODS if m in results],
         "max_new_tokens": cfg.max_new_tokens,
         "mean_new_tokens": _mean([len(r.tokens) for r in ours or base]),
         "threads": torch.get_num_threads(),
     }
     summary["speedup_vs_baseline"] = summary["tokens_per_s"] / summary["baseline_tokens_per_s"] if base and ours else None
     summary["speedup_vs_hf_assisted"] = summary["tokens_per_s"] / summary["hf_assisted_tokens_per_s"] if hf and ours else None
+    for m, info in (llama or {}).get("methods", {}).items():
+        rs = results[m]
+        summary[f"{m}_tokens_per_s"] = tps(m)
+        summary[f"{m}_identical"] = sum(a.tokens == b.tokens for a, b in zip(rs, base, strict=True)) if base else None
+        summary[f"{m}_acceptance"] = info["draft_n_accepted"] / info["draft_n"] if info["draft_n"] else None
+        if m != "llama" and "llama" in results:  # llama.cpp's speculation against its own plain decoding
+            info["identical_to_llama"] = sum(a.tokens == b.tokens for a, b in zip(rs, results["llama"], strict=True))
+    summary["llama_cpp"] = llama
     return summary
 
 
 def format_table(summary: dict) -> str:
-    """The summary as a small text table."""
-    rows = [
-        ("method", "tokens/s", "tau", "speedup"),
-        ("baseline (incremental)", f"{summary['baseline_tokens_per_s']:.2f}", "1.00", "1.00"),
-        ("hf_assisted", f"{summary['hf_assisted_tokens_per_s']:.2f}", "-",
-         _ratio(summary["hf_assisted_tokens_per_s"], summary["baseline_tokens_per_s"])),
-        ("hf_lookup", f"{summary['hf_lookup_tokens_per_s']:.2f}", "-",
-         _ratio(summary["hf_lookup_tokens_per_s"], summary["baseline_tokens_per_s"])),
-        ("ours (token tree)", f"{summary['tokens_per_s']:.2f}", f"{summary['tau']:.2f}",
-         _ratio(summary["tokens_per_s"], summary["baseline_tokens_per_s"])),
-    ]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    """The summary as a small text table, one row per method that ran; "accept" is llama.cpp's draft
+    acceptance, "= baseline" counts the answers token-identical to the baseline's."""
+    base = summary["baseline_tokens_per_s"]
+    ran = summary.get("methods", METHODS)
+    rows = [("method", "tokens/s", "tau", "accept", "speedup", "= baseline")]
+    if "baseline" in ran:
+        rows.append(("baseline (incremental)", f"{base:.2f}", "1.00", "-", "1.00", "-"))
+    if "hf_assisted" in ran:
+        rows.append(("hf_assisted", f"{summary['hf_assisted_tokens_per_s']:.2f}", "-", "-",
+                     _ratio(summary["hf_assisted_tokens_per_s"], base), _fmt_int(summary["hf_assisted_identical"])))
+    if "hf_lookup" in ran:
+        rows.append(("hf_lookup", f"{summary['hf_lookup_tokens_per_s']:.2f}", "-", "-",
+                     _ratio(summary["hf_lookup_tokens_per_s"], base), _fmt_int(summary["hf_lookup_identical"])))
+    if "ours" in ran:
+        rows.append(("ours (token tree)", f"{summary['tokens_per_s']:.2f}", f"{summary['tau']:.2f}", "-",
+                     _ratio(summary["tokens_per_s"], base), _fmt_int(summary["greedy_identical"])))
+    for m in (summary.get("llama_cpp") or {}).get("methods", {}):
+        rows.append((f"{m} (llama.cpp)", f"{summary[f'{m}_tokens_per_s']:.2f}", "-", _fmt(summary[f"{m}_acceptance"]),
+                     _ratio(summary[f"{m}_tokens_per_s"], base), _fmt_int(summary[f"{m}_identical"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.append(
-        f"dtype={summary['dtype']} (SSMs {summary['ssm_dtype']})  questions={summary['total']}  greedy_identical={summary['greedy_identical']}"
-        f"  speedup_vs_hf_assisted={_fmt(summary['speedup_vs_hf_assisted'])}"
-    )
+    footer = (f"dtype={summary['dtype']} (SSMs {summary['ssm_dtype']})  questions={summary['total']}  "
+              f"threads={summary['threads']}  greedy_identical={summary['greedy_identical']}")
+    if summary["speedup_vs_hf_assisted"] is not None:
+        footer += f"  speedup_vs_hf_assisted={_fmt(summary['speedup_vs_hf_assisted'])}"
+    lines.append(footer)
     return "\n".join(lines)
 
 
@@ -260,3 +378,7 @@ def _ratio(a: float, b: float) -> str:
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
+
+
+def _fmt_int(x: int | None) -> str:
+    return "-" if x is None else str(x)

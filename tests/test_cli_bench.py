@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from conftest import MT_BENCH, perturbed, tiny_llama
@@ -109,3 +110,44 @@ def test_bf16_ssm_under_fp32_llm_stays_identical(tiny_dirs, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dtype"] == "fp32" and summary["ssm_dtype"] == "bf16"
     assert summary["greedy_identical"] == summary["total"] == 2
+
+
+def test_llama_cpp_flags_fail_before_any_model_loads(tiny_dirs, tmp_path, capsys, monkeypatch):
+    """Each bad llama.cpp flag is refused by validation (no model loaded, no output written), naming the flag and the fix."""
+    out = tmp_path / "o"
+    common = ["bench", "--llm", str(tiny_dirs / "llm"), "--questions", str(MT_BENCH), "--out", str(out)]
+    exe = sys.executable  # any executable file passes the binary check; these runs stop before starting it
+
+    def refused(*flags: str) -> str:
+        rc = main([*common, *flags])
+        err = capsys.readouterr().err
+        assert rc == 2 and not out.exists(), err
+        return err
+
+    monkeypatch.delenv("BOOSTTUNE_LLAMA_SERVER", raising=False)
+    monkeypatch.setenv("BOOSTTUNE_CACHE", str(tmp_path / "empty-cache"))  # no binary at the default place
+    err = refused("--methods", "baseline,llama")
+    assert "--llama-server" in err and "BOOSTTUNE_LLAMA_SERVER" in err and "scripts/build_llama_server.sh" in err
+    err = refused("--methods", "baseline,llama", "--llama-server", str(tmp_path / "nope"))
+    assert "--llama-server" in err and "build_llama_server.sh" in err
+    monkeypatch.setenv("BOOSTTUNE_LLAMA_SERVER", str(tmp_path / "nope"))
+    assert "BOOSTTUNE_LLAMA_SERVER" in refused("--methods", "baseline,llama")
+    monkeypatch.delenv("BOOSTTUNE_LLAMA_SERVER")
+
+    err = refused("--methods", "baseline,llama_draft", "--llama-server", exe)
+    assert "--draft-gguf" in err and "export" in err
+    assert "llama_draft" in refused("--methods", "baseline,llama", "--draft-gguf", exe, "--llama-server", exe)
+    assert "--llm-gguf" in refused("--methods", "baseline,llama", "--llama-server", exe)  # not the default LLM
+    err = refused("--methods", "baseline,llama", "--llama-server", exe, "--llm-gguf", str(tmp_path / "missing.gguf"))
+    assert "--llm-gguf" in err and "no such file" in err
+    err = refused("--methods", "baseline,llama", "--llama-server", exe, "--llm-gguf", str(MT_BENCH))
+    assert "--llm-gguf" in err and "not a GGUF" in err
+    gguf = tmp_path / "head.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))  # passes the magic-bytes check; never loaded
+    err = refused("--methods", "baseline,llama_draft", "--llama-server", exe, "--llm-gguf", str(gguf),
+                  "--draft-gguf", str(tmp_path / "ssm.gguf"))
+    assert "--draft-gguf" in err and "no such file" in err
+    err = refused("--methods", "baseline,llama_ngram", "--llama-server", exe, "--llm-gguf", str(gguf),
+                  "--llama-draft-max", "0")
+    assert "--llama-draft-max" in err
+    assert "unknown" in refused("--methods", "baseline,llama_cpp")

@@ -1,10 +1,12 @@
 """`boosttune bench`: incremental decoding, HF's assisted generation and our engine side by side
-(``--bundle``: exactly what `boosttune serve` serves for a bundle, beside plain decoding)."""
+(``--bundle``: exactly what `boosttune serve` serves for a bundle, beside plain decoding), and
+llama.cpp's `llama-server` on the LLM's GGUF as the CPU peer (``boosttune/llama_cpp.py``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from boosttune.cli.flags import add_bundle_args, add_model_args, ssm_refs, tree_override
 
@@ -20,22 +22,40 @@ def add_commands(sub) -> dict:
     b.add_argument("--out", required=True, help="output directory (answers JSONL + summary.json)")
     b.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     b.add_argument("--methods", default=None,
-                   help="comma-separated subset of baseline, hf_assisted, hf_lookup (needs --prompt-lookup), ours "
-                        "(default baseline,hf_assisted,ours; with --bundle, baseline,ours)")
+                   help="comma-separated subset of baseline, hf_assisted, hf_lookup (needs --prompt-lookup), ours, "
+                        "and llama.cpp's llama (llama-server alone), llama_draft (with --draft-gguf), llama_ngram "
+                        "(its n-gram self-speculation) (default baseline,hf_assisted,ours; with --bundle, baseline,ours)")
+    g = b.add_argument_group("llama.cpp peer (methods llama, llama_draft, llama_ngram)")
+    g.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="the llama-server binary (default: $BOOSTTUNE_LLAMA_SERVER, else where "
+                        "scripts/build_llama_server.sh builds it)")
+    g.add_argument("--llm-gguf", default=None, metavar="PATH",
+                   help="the LLM as GGUF for llama.cpp (default: the default LLM's own Q4_1 GGUF; required for other LLMs)")
+    g.add_argument("--draft-gguf", default=None, metavar="PATH",
+                   help="llama_draft's draft model, a GGUF (`boosttune export RUN --format gguf`)")
+    g.add_argument("--llama-draft-max", type=int, default=None, metavar="N",
+                   help="the most tokens llama.cpp drafts per step (default: llama.cpp's own for llama_draft; "
+                        "--prompt-lookup N, else 8, for llama_ngram)")
     return {"bench": cmd_bench}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from boosttune.bench import BenchConfig, format_table, run_bench
+    from boosttune.llama_cpp import LlamaServerError
 
     methods = None if args.methods is None else tuple(m.strip() for m in args.methods.split(",") if m.strip())
     cfg = BenchConfig(
         questions=args.questions, out=args.out, llm=args.llm, ssms=ssm_refs(args), bundle=args.bundle,
         use_scheduler=not args.no_scheduler, limit=args.limit, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
         ssm_dtype=args.ssm_dtype, tree=tree_override(args), chat=not args.no_chat, draft_ranking=args.draft_ranking,
-        prompt_lookup=args.prompt_lookup, methods=methods,
+        prompt_lookup=args.prompt_lookup, methods=methods, llama_server=args.llama_server, llm_gguf=args.llm_gguf,
+        draft_gguf=args.draft_gguf, llama_draft_max=args.llama_draft_max,
     )
-    summary = run_bench(cfg)
+    try:
+        summary = run_bench(cfg)
+    except LlamaServerError as e:  # its log's tail says why (e.g. a draft GGUF with another vocabulary)
+        print(f"boosttune bench: llama-server failed: {e}", file=sys.stderr)
+        return 1
     print(format_table(summary))
     print(json.dumps(summary, indent=2))
     return 0
