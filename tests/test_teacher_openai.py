@@ -44,28 +44,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(bundle: Path, log: Path):
-    """`boosttune serve` on a free port; yields its base URL (…/v1) and stops it afterwards."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "boosttune.cli", "serve", str(bundle), "--port", str(port),
-                                 "--model-name", MODEL, "--threads", "1", "--log-level", "warning"],
-                                stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, f"the server did not start: {log.read_text()}"
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        yield f"{url}/v1"
-    finally:
-        proc.terminate()
-        proc.wait(30)
+def _wait_until_up(proc: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, f"the server did not start: {log.read_text()}"
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -74,28 +62,49 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def servers(tmp_path_factory, llm):
+    """Two `boosttune serve` processes, started at once: the tiny LLM's bundle, and the same LLM with
+    a tokenizer that lacks the first 300 BPE merges (same vocabulary, other tokenisation). Yields
+    their base URLs (…/v1)."""
     tmp = tmp_path_factory.mktemp("served")
     run = make_run_dir(tmp / "run", n_ssms=1, scheduler=False, ranking=False)
-    bundle = export_bundle(run, tmp / "bundle").bundle
-    yield from _serve(bundle, tmp / "serve.log")
-
-
-@pytest.fixture(scope="module")
-def other_tokenizer_server(tmp_path_factory, llm):
-    """The same LLM served with a tokenizer that lacks the first 300 BPE merges (same vocabulary)."""
-    tmp = tmp_path_factory.mktemp("other")
+    same = export_bundle(run, tmp / "bundle").bundle
     other = tmp / "llm-other-merges"
     shutil.copytree(llm.path, other)
     tj = json.loads((other / "tokenizer.json").read_text())
     tj["model"]["merges"] = tj["model"]["merges"][300:]
     (other / "tokenizer.json").write_text(json.dumps(tj))
-    run = make_run_dir(tmp / "run", n_ssms=1, scheduler=False, ranking=False)
     report = json.loads((run / "report.json").read_text())
     report["llm"]["path"] = str(other)
     (run / "report.json").write_text(json.dumps(report))
-    bundle = export_bundle(run, tmp / "bundle").bundle
-    yield from _serve(bundle, tmp / "serve.log")
+    different = export_bundle(run, tmp / "bundle-other-tokenizer").bundle
+    procs = []
+    try:
+        for bundle in (same, different):
+            port, log = _free_port(), tmp / f"{bundle.name}.log"
+            with open(log, "w") as out:
+                procs.append((subprocess.Popen(
+                    [sys.executable, "-m", "boosttune.cli", "serve", str(bundle), "--port", str(port), "--model-name",
+                     MODEL, "--threads", "1", "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT),
+                    f"http://127.0.0.1:{port}", log))
+        for proc, url, log in procs:
+            _wait_until_up(proc, url, log)
+        yield [f"{url}/v1" for _, url, _ in procs]
+    finally:
+        for proc, _, _ in procs:
+            proc.terminate()
+        for proc, _, _ in procs:
+            proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server(servers) -> str:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer_server(servers) -> str:
+    return servers[1]
 
 
 @pytest.fixture(scope="module")
