@@ -275,3 +275,13 @@ def test_openai_config_is_checked_at_start():
         load_config(None, ["teacher.backend=openai", "teacher.endpoint=http://h:1/v1", "teacher.api_key_env=sk-123abc"])
     cfg = load_config(None, ["teacher.backend=openai", "teacher.endpoint=http://h:1/v1", "teacher.temperature=0.7"])
     assert cfg.teacher.backend == "openai" and cfg.teacher.model == "" and cfg.teacher.concurrency == 8
+
+
+def test_the_report_adds_up_how_token_ids_were_obtained_over_resumes():
+    from boosttune.train.pipeline import _merge_token_ids
+
+    first = {"source": "server", "exact": 3, "retokenized": 0, "roundtrip_differs": 1, "eos_appended": 0}
+    then = {"source": "retokenized", "exact": 0, "retokenized": 2, "roundtrip_differs": 0, "eos_appended": 1}
+    assert _merge_token_ids(first, then) == {"source": "retokenized+server", "exact": 3, "retokenized": 2,
+                                             "roundtrip_differs": 1, "eos_appended": 1}
+    assert _merge_token_ids(None, {"source": "model"}) == {"source": "model"}

@@ -82,7 +82,7 @@ class IdStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def as_dict(self) -> dict:
-        source = ("server" if not self.retokenized else "retokenized" if not self.exact else "server+retokenized")
+        source = ("server" if not self.retokenized else "retokenized" if not self.exact else "retokenized+server")
         return {"source": source, "exact": self.exact, "retokenized": self.retokenized,
                 "roundtrip_differs": self.roundtrip_differs, "eos_appended": self.eos_appended}
 
