@@ -15,7 +15,10 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -217,6 +220,81 @@ def test_boosttune_serve_returns_token_ids_as_vllm_does(server, llm):
     assert chat["prompt_token_ids"] == encode_prompt(llm.tokenizer, "Hi") and len(chat["choices"][0]["token_ids"]) == 3
     plain = httpx.post(f"{server}/completions", json={**body, "return_token_ids": False}, timeout=60).json()
     assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+
+class _Flaky(BaseHTTPRequestHandler):
+    """A real HTTP hop in front of the server that fails the next completions requests as told
+    ("503", "429", or "drop": close the connection without an answer), then forwards."""
+
+    upstream = ""
+    faults: list[str] = []
+    seen: list[str] = []
+    lock = threading.Lock()
+
+    def _forward(self, method: str) -> None:
+        body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        with self.lock:
+            fault = self.faults.pop(0) if self.faults and self.path.endswith("/completions") else None
+            if fault:
+                self.seen.append(fault)
+        if fault == "drop":
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        if fault:
+            payload = json.dumps({"error": {"message": f"injected {fault}"}}).encode()
+            self.send_response(int(fault))
+            self.send_header("Retry-After", "0")
+        else:
+            r = httpx.request(method, self.upstream + self.path, content=body, timeout=60,
+                              headers={"content-type": "application/json"})
+            payload = r.content
+            self.send_response(r.status_code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's names)
+        self._forward("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._forward("POST")
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def flaky(server):
+    _Flaky.upstream, _Flaky.faults, _Flaky.seen = server.removesuffix("/v1"), [], []
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
+    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{proxy.server_address[1]}/v1"
+    proxy.shutdown()
+    proxy.server_close()
+
+
+def test_transient_errors_are_retried_and_lasting_ones_stop_the_run(flaky, server, llm, prompts):
+    eos = eos_token_ids(llm)
+    ids = [p.input_ids for p in prompts[:4]]
+    direct = OpenAITeacher(_openai(server), llm.tokenizer, eos)
+    direct.preflight(ids[0])
+    teacher = OpenAITeacher(_openai(flaky), llm.tokenizer, eos, backoff=0.01)
+    teacher.preflight(ids[0])
+    _Flaky.faults[:] = ["503", "429", "drop", "502"]
+    with ThreadPoolExecutor(2) as pool:
+        want, _ = direct.generate(ids, [0] * 4, pool)
+        got, stats = teacher.generate(ids, [0] * 4, pool)
+        assert _Flaky.seen == ["503", "429", "drop", "502"]
+        assert [c.output_ids for c in got] == [c.output_ids for c in want] and stats.exact == 4
+        once = OpenAITeacher(_openai(flaky), llm.tokenizer, eos, backoff=0.01, retries=1)
+        once.info = teacher.info
+        _Flaky.faults[:] = ["503"] * 4
+        with pytest.raises(TeacherServerError, match=r"teacher\.endpoint: POST .*/completions failed 2 times "
+                                                     r"\(HTTP 503: injected 503\)"):
+            once.generate(ids[:1], [0], pool)
 
 
 # ---------------------------------------------------------------------------------- response layouts

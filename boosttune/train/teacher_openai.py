@@ -34,7 +34,7 @@ import os
 import random
 import time
 from collections.abc import Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,7 +119,6 @@ class OpenAITeacher:
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout, connect=10.0),
                                  limits=httpx.Limits(max_connections=cfg.concurrency + 2))
         self.info = ServerInfo(url=self.url, model=cfg.model, owned_by="")
-        self.requests = 0
 
     def close(self) -> None:
         self.http.close()
@@ -137,7 +136,6 @@ class OpenAITeacher:
         for attempt in range(retries + 1):
             wait_s = min(self.backoff * 2**attempt, self.max_backoff) * (1 + 0.25 * random.random())
             try:
-                self.requests += 1
                 r = self.http.request(method, path, json=body)
             except httpx.TransportError as e:  # refused, reset, timed out: maybe the server is restarting
                 last = f"{type(e).__name__}: {e}"
@@ -339,7 +337,7 @@ class OpenAITeacher:
         stats = IdStats()
         pending = set(futures)
         while pending:
-            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
             for f in done:
                 if f.exception() is not None:
                     for other in pending:
