@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 from bundle_fixtures import make_run_dir, one_torch_thread  # noqa: F401 (autouse fixture)
+from transformers import AutoTokenizer
 
 from boosttune.config import ConfigError, TeacherConfig, load_config
 from boosttune.core.models import TINY_LLM, eos_token_ids, load_model
@@ -144,7 +145,8 @@ def test_openai_backend_writes_what_the_local_backends_write(server, llm, prompt
     assert stats["token_ids"] == {"source": "server", "exact": len(prompts), "retokenized": 0,
                                   "roundtrip_differs": stats["token_ids"]["roundtrip_differs"], "eos_appended": 0}
     assert stats["server"]["owned_by"] == "boosttune" and stats["server"]["model"] == MODEL
-    assert stats["server"]["tokenizer_check"]["by"] == ["prompt_token_ids"]
+    assert stats["server"]["tokenizer_check"] == {"probes": len(PROBE_TEXTS), "by": ["prompt_token_ids"],
+                                                  "split_differently": 0, "special_prefix": 0}
     got = load_teacher(remote, len(prompts), SHARD)
     assert got["prompt_id"] == [p.id for p in prompts] and got["input_ids"] == [p.input_ids for p in prompts]
     for backend in ("batched", "hf"):
@@ -159,11 +161,28 @@ def test_openai_backend_writes_what_the_local_backends_write(server, llm, prompt
 def test_a_server_with_another_tokenizer_is_refused_before_generating(other_tokenizer_server, llm, prompts, tmp_path):
     run = RunDir(tmp_path / "run")
     before = _completions_served(other_tokenizer_server)
-    with pytest.raises(TeacherServerError, match=r"teacher\.endpoint: .*tokenises differently"):
+    with pytest.raises(TeacherServerError, match=r"teacher\.endpoint: .*tokenises differently.*splits [2-5] of 5 probes"):
         run_teacher(None, llm.tokenizer, prompts, _openai(other_tokenizer_server), run, eos_token_ids(llm))
     assert not list(run.teacher_dir.glob("shard-*"))
     # only probes were sent (text prompts, max_tokens 1), no prompt of the run
     assert _completions_served(other_tokenizer_server) - before <= len(PROBE_TEXTS)
+
+
+def test_a_server_whose_ids_mean_other_tokens_is_refused(server, llm, prompts, tmp_path):
+    """The same comparison from the other side: the LLM's tokenizer here has two frequent tokens'
+    ids swapped (its vocabulary differs from the server's; the splits are the same)."""
+    swapped = tmp_path / "tokenizer"
+    llm.tokenizer.save_pretrained(swapped)
+    tj = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    vocab["Ġthe"], vocab["Ġa"] = vocab["Ġa"], vocab["Ġthe"]
+    (swapped / "tokenizer.json").write_text(json.dumps(tj))
+    tokenizer = AutoTokenizer.from_pretrained(swapped)
+    assert tokenizer("the cat sat on a mat")["input_ids"] != llm.tokenizer("the cat sat on a mat")["input_ids"]
+    run = RunDir(tmp_path / "run")
+    with pytest.raises(TeacherServerError, match=r"teacher\.endpoint: .*tokenises differently.*spell other text"):
+        run_teacher(None, tokenizer, prompts, _openai(server), run, eos_token_ids(llm))
+    assert _shards(run) == []
 
 
 def test_unreachable_endpoint_and_wrong_model_fail_clearly_writing_nothing(server, llm, prompts, tmp_path):

@@ -55,6 +55,7 @@ PROBE_TEXTS = (
     "1234567890 3.14159 0x1F 2026-12-01 e^{i\\pi}+1=0",
 )
 MAX_SPECIAL_PREFIX = 2  # tokens a server may put before a text prompt (a BOS, say) that the local tokenizer does not
+MAX_SEGMENTATION_DIFFS = 1  # probes a server may split otherwise (same vocabulary): see check_tokenizer
 # The server's request fields that map back to a config field (for errors the server reports).
 _PARAM_FIELDS = {"logprobs": "teacher.topk_logprobs", "model": "teacher.model", "max_tokens": "teacher.max_new_tokens",
                  "temperature": "teacher.temperature", "top_p": "teacher.top_p", "seed": "optim.seed"}
@@ -186,49 +187,73 @@ class OpenAITeacher:
         card = next(m for m in data if isinstance(m, dict) and str(m.get("id")) == self.info.model)
         self.info.owned_by = str(card.get("owned_by") or "")
         self.info.tokenizer_check = self.check_tokenizer()
-        self.complete(first_prompt, max_tokens=min(2, self.cfg.max_new_tokens), seed=0)
+        _, ids = self.complete(first_prompt, max_tokens=min(2, self.cfg.max_new_tokens), seed=0)
+        if ids.retokenized and self.info.tokenizer_check["split_differently"]:
+            raise self._fail(f"{self.info.name} returns no output token ids, and its tokenizer splits some text "
+                             "otherwise than the LLM's: re-tokenised outputs would not be the LLM's tokens. Use a "
+                             "server that returns token ids (vLLM >= 0.10.2, llama-server, boosttune serve)")
         return self.info
 
     def check_tokenizer(self) -> dict:
-        """Refuse a server that tokenises the probe texts otherwise than the local tokenizer."""
-        offsets, by, tokenize_used = set(), set(), False
+        """Refuse a server whose tokenizer is not the LLM's; returns what was checked.
+
+        Where the server shows its token ids for a probe (``prompt_token_ids``, ``/tokenize``), they must
+        spell the probe in the local vocabulary (decoded locally to the same text: same ids for the same
+        strings), and split it as the local tokenizer does on all probes but ``MAX_SEGMENTATION_DIFFS``:
+        tokenizer implementations disagree on rare pre-tokenisation cases (llama-server splits
+        SmolLM2's " ١" after an emoji into two tokens where HF's tokenizer has one: measured here),
+        which is harmless while ids go both ways, as they do here. A different vocabulary or other
+        merges show on most probes. Where only ``usage.prompt_tokens`` is known, the counts must equal
+        the local ones, up to a constant number of special tokens the server puts first (a BOS).
+        """
+        offsets, by, resplit, specials = set(), set(), [], set(self.tokenizer.all_special_ids)
         for text in PROBE_TEXTS:
             plain = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
             body = {"model": self.info.model, "prompt": text, "max_tokens": 1, "temperature": 0.0,
                     **self._id_fields()}
             r = self._request("POST", "/completions", body)
-            choice = _choice(r)
-            server_ids = choice.get("prompt_token_ids") if isinstance(choice, dict) else None
-            if isinstance(server_ids, list):
-                by.add("prompt_token_ids")
-                n = len(server_ids)
-                same = n >= len(plain) and list(server_ids[n - len(plain):]) == plain
-            else:
-                n = (r.get("usage") or {}).get("prompt_tokens")
+            choice = _choice(r) or {}
+            n = (r.get("usage") or {}).get("prompt_tokens")
+            shown: list[tuple[str, list[int]]] = []
+            if isinstance(choice.get("prompt_token_ids"), list):
+                ids = list(choice["prompt_token_ids"])
+                n, lead = len(ids), 0
+                while lead < min(MAX_SPECIAL_PREFIX, len(ids)) and ids[lead] in specials:
+                    lead += 1  # a BOS the server puts before text prompts
+                shown.append(("prompt_token_ids", ids[lead:]))
+            tok = self._request("POST", _root(self.url) + "/tokenize", {"model": self.info.model, "prompt": text,
+                                "content": text, "add_special_tokens": False, "add_special": False}, optional=True)
+            if isinstance(tok, dict) and isinstance(tok.get("tokens"), list) and all(isinstance(t, int) for t in tok["tokens"]):
+                shown.append(("/tokenize", list(tok["tokens"])))
+            for how, ids in shown:
+                by.add(how)
+                if self.tokenizer.decode(ids) != self.tokenizer.decode(plain):
+                    raise self._tokenizer_error(text, f"its ids {ids[:8]}... ({how}) spell other text in the "
+                                                      "LLM's vocabulary")
+                if ids != plain and text not in resplit:
+                    resplit.append(text)
+            if not shown:
                 if not isinstance(n, int):
                     raise self._fail(f"{self.info.name} reports neither prompt token ids nor usage.prompt_tokens; "
                                      "boosttune cannot check that it tokenises as the LLM does")
                 by.add("usage.prompt_tokens")
-                same = True
-            offsets.add(n - len(plain))
-            if not same or not 0 <= n - len(plain) <= MAX_SPECIAL_PREFIX or len(offsets) > 1:
-                raise self._tokenizer_error(text, n, len(plain))
-            tok = self._request("POST", _root(self.url) + "/tokenize", {"model": self.info.model, "prompt": text,
-                                "content": text, "add_special_tokens": False, "add_special": False}, optional=True)
-            if isinstance(tok, dict) and isinstance(tok.get("tokens"), list) and all(isinstance(t, int) for t in tok["tokens"]):
-                tokenize_used = True
-                if tok["tokens"] != plain:
-                    raise self._tokenizer_error(text, len(tok["tokens"]), len(plain), "/tokenize")
-        if tokenize_used:
-            by.add("/tokenize")
-        return {"probes": len(PROBE_TEXTS), "by": sorted(by), "special_prefix": offsets.pop()}
+                offsets.add(n - len(plain))
+                if not 0 <= n - len(plain) <= MAX_SPECIAL_PREFIX or len(offsets) > 1:
+                    raise self._tokenizer_error(text, f"it is {n} tokens there (usage.prompt_tokens), {len(plain)} here")
+            elif isinstance(n, int):
+                offsets.add(n - len(plain))
+        if len(resplit) > MAX_SEGMENTATION_DIFFS:
+            raise self._tokenizer_error(resplit[0], f"the server splits {len(resplit)} of {len(PROBE_TEXTS)} probes "
+                                                    "into other tokens (other merges or pre-tokenisation)")
+        return {"probes": len(PROBE_TEXTS), "by": sorted(by), "split_differently": len(resplit),
+                "special_prefix": max(offsets, default=0)}
 
-    def _tokenizer_error(self, text: str, n_server: int, n_local: int, how: str = "") -> TeacherServerError:
+    def _tokenizer_error(self, text: str, what: str) -> TeacherServerError:
         shown = text if len(text) < 40 else text[:37] + "..."
         return self._fail(
             f"{self.info.name} tokenises differently from the LLM's tokenizer ({getattr(self.tokenizer, 'name_or_path', '')}): "
-            f"probe {shown!r} is {n_server} tokens there{' by ' + how if how else ''}, {n_local} here. Serve the "
-            "model that llm.ref names (same tokenizer), or set llm.ref to the model the server serves")
+            f"probe {shown!r}: {what}. Serve the model that llm.ref names (same tokenizer), or set llm.ref to the "
+            "model the server serves")
 
     # ------------------------------------------------------------------------------ generation
     def _id_fields(self) -> dict:
