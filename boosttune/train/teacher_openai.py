@@ -9,15 +9,17 @@ list of ints as the prompt) and writes the same shards as :func:`boosttune.train
 Before any shard is generated, :meth:`OpenAITeacher.preflight` checks, in one or two seconds:
 
 - the server answers ``GET /models`` and serves ``teacher.model`` (empty: its first model);
-- its tokenizer is the LLM's: probe texts (multilingual, code, whitespace runs) sent as text prompts
-  with ``max_tokens: 1`` must read as the local tokenizer reads them: by the prompt ids the server
-  returns (vLLM's and boosttune's ``return_token_ids``), else by ``usage.prompt_tokens``, and by its
-  ``/tokenize`` endpoint when it has one (vLLM, llama-server, SGLang);
+- its tokenizer is the LLM's: probe texts (multilingual, code, whitespace runs) are sent as text
+  prompts with ``max_tokens: 1``; the ids the server shows for them (vLLM's and boosttune's
+  ``prompt_token_ids``, a ``/tokenize`` endpoint as vLLM and llama-server have) must spell
+  them in the LLM's vocabulary and split them as the LLM's tokenizer does (all but one probe), or,
+  where it shows no ids, ``usage.prompt_tokens`` must equal the local counts
+  (:meth:`OpenAITeacher.check_tokenizer`);
 - one real request (the first prompt, the configured sampling) is answered, with top-k log-probs when
   ``teacher.topk_logprobs`` asks for them, and reads the prompt ids as sent (no BOS added).
 
-Output token ids are exact where the server returns them: ``token_ids`` in the choice (vLLM >= 0.10.2
-and `boosttune serve` with ``return_token_ids: true``), or ``__verbose.tokens`` (llama-server with
+Output token ids are exact where the server returns them: ``token_ids`` in the choice (vLLM's
+``return_token_ids: true`` extension, which `boosttune serve` also has), or ``__verbose.tokens`` (llama-server with
 ``return_tokens`` and ``verbose``: tools/server/server-schema.cpp, server-task.cpp). Elsewhere the
 text is re-tokenised, which can differ from the ids the LLM wrote (the report counts which way every
 continuation went, and how often a decode -> encode round trip of the exact ids differs). A "stop"
@@ -191,7 +193,7 @@ class OpenAITeacher:
         if ids.retokenized and self.info.tokenizer_check["split_differently"]:
             raise self._fail(f"{self.info.name} returns no output token ids, and its tokenizer splits some text "
                              "otherwise than the LLM's: re-tokenised outputs would not be the LLM's tokens. Use a "
-                             "server that returns token ids (vLLM >= 0.10.2, llama-server, boosttune serve)")
+                             "server that returns token ids (vLLM with return_token_ids, llama-server, boosttune serve)")
         return self.info
 
     def check_tokenizer(self) -> dict:
