@@ -201,6 +201,18 @@ def test_unreachable_endpoint_and_wrong_model_fail_clearly_writing_nothing(serve
     assert _shards(run) == []
 
 
+def test_train_fails_on_a_dead_endpoint_before_it_loads_the_llm(tmp_path, capsys):
+    from boosttune.cli import main
+
+    url = f"http://127.0.0.1:{_free_port()}/v1"
+    config = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+    code = main(["train", "--config", str(config), "--run-dir", str(tmp_path / "run"), "teacher.backend=openai",
+                 f"teacher.endpoint={url}"])
+    err = capsys.readouterr().err
+    assert code == 2 and re.search(rf"error: teacher\.endpoint: GET {re.escape(url)}/models failed", err), err
+    assert not (tmp_path / "run" / "prompts").exists()  # stopped before the prompts (and the LLM's weights)
+
+
 def test_a_server_without_topk_logprobs_is_refused_before_generating(server, llm, prompts, tmp_path):
     run = RunDir(tmp_path / "run")
     with pytest.raises(TeacherServerError, match=r"teacher\.topk_logprobs: .*logprobs is not supported"):

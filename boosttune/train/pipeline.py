@@ -33,7 +33,7 @@ from boosttune.train.draft_ranking import ensure_draft_ranking
 from boosttune.train.faults import crash_point
 from boosttune.train.matching import is_match, summarize_agreement, teacher_forced_agreement
 from boosttune.train.sources import TrainPrompt, collect_prompts, default_seeds
-from boosttune.train.teacher import load_teacher, remove_shard_temporaries, run_teacher
+from boosttune.train.teacher import load_teacher, missing_shards, remove_shard_temporaries, run_teacher
 
 # Fields that may differ when a run is resumed (how it runs, not what it computes).
 _RESUMABLE_CHANGES = ("optim.devices", "optim.num_nodes", "optim.accelerator", "optim.strategy", "optim.logger",
@@ -402,6 +402,13 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
     dist.barrier()
     check_or_save_config(cfg, run)
     t_start = time.perf_counter()
+    info = run.prompts_info()
+    if cfg.teacher.backend == "openai" and (info is None or missing_shards(run, info["count"], cfg.teacher.shard_size)):
+        from transformers import AutoTokenizer
+
+        from boosttune.train.teacher_openai import check_endpoint
+
+        check_endpoint(cfg.teacher, AutoTokenizer.from_pretrained(resolve_model_path(cfg.llm.ref)))  # before weights
     llm = load_model(cfg.llm.ref, parse_dtype(cfg.llm.teacher_dtype), device=_device(cfg))
     pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else min(eos_token_ids(llm))
 

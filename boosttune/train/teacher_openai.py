@@ -63,8 +63,9 @@ _PARAM_FIELDS = {"logprobs": "teacher.topk_logprobs", "model": "teacher.model", 
                  "temperature": "teacher.temperature", "top_p": "teacher.top_p", "seed": "optim.seed"}
 
 
-class TeacherServerError(RuntimeError):
-    """The server cannot serve as the teacher (unreachable, wrong model, other tokenizer, missing data)."""
+class TeacherServerError(ValueError):
+    """The server cannot serve as the teacher (unreachable, wrong model, other tokenizer, missing data).
+    A ValueError, so that `boosttune train` prints it as one line naming the config field."""
 
 
 @dataclass
@@ -176,6 +177,17 @@ class OpenAITeacher:
     # ------------------------------------------------------------------------------- preflight
     def preflight(self, first_prompt: Sequence[int]) -> ServerInfo:
         """Model, tokenizer and one real request checked; raises :class:`TeacherServerError`."""
+        self.connect()
+        self.info.tokenizer_check = self.check_tokenizer()
+        _, ids = self.complete(first_prompt, max_tokens=min(2, self.cfg.max_new_tokens), seed=0)
+        if ids.retokenized and self.info.tokenizer_check["split_differently"]:
+            raise self._fail(f"{self.info.name} returns no output token ids, and its tokenizer splits some text "
+                             "otherwise than the LLM's: re-tokenised outputs would not be the LLM's tokens. Use a "
+                             "server that returns token ids (vLLM with return_token_ids, llama-server, boosttune serve)")
+        return self.info
+
+    def connect(self) -> None:
+        """The server answers ``GET /models`` and serves ``teacher.model`` (empty: its first)."""
         models = self._request("GET", "/models", retries=self.connect_retries)
         data = models.get("data") if isinstance(models, dict) else None
         if not isinstance(data, list) or not data:
@@ -188,13 +200,6 @@ class OpenAITeacher:
         self.info.model = self.cfg.model or ids[0]
         card = next(m for m in data if isinstance(m, dict) and str(m.get("id")) == self.info.model)
         self.info.owned_by = str(card.get("owned_by") or "")
-        self.info.tokenizer_check = self.check_tokenizer()
-        _, ids = self.complete(first_prompt, max_tokens=min(2, self.cfg.max_new_tokens), seed=0)
-        if ids.retokenized and self.info.tokenizer_check["split_differently"]:
-            raise self._fail(f"{self.info.name} returns no output token ids, and its tokenizer splits some text "
-                             "otherwise than the LLM's: re-tokenised outputs would not be the LLM's tokens. Use a "
-                             "server that returns token ids (vLLM with return_token_ids, llama-server, boosttune serve)")
-        return self.info
 
     def check_tokenizer(self) -> dict:
         """Refuse a server whose tokenizer is not the LLM's; returns what was checked.
@@ -408,6 +413,18 @@ def _error_param(r: httpx.Response) -> str | None:
     except (ValueError, AttributeError):
         return None
     return err.get("param") if isinstance(err, dict) else None
+
+
+def check_endpoint(cfg: TeacherConfig, tokenizer) -> ServerInfo:
+    """The server's model and tokenizer checked (no generation): what `boosttune train` does before it
+    loads the LLM's weights, so that a wrong endpoint fails in seconds."""
+    teacher = OpenAITeacher(cfg, tokenizer, frozenset())
+    try:
+        teacher.connect()
+        teacher.info.tokenizer_check = teacher.check_tokenizer()
+        return teacher.info
+    finally:
+        teacher.close()
 
 
 def prompt_seed(seed: int, index: int) -> int:
