@@ -75,7 +75,7 @@ class PromptsConfig:
     shuffle_seed: int = 0
 
 
-TEACHER_BACKENDS = ("auto", "batched", "hf")
+TEACHER_BACKENDS = ("auto", "batched", "hf", "openai")
 
 
 @dataclass
@@ -91,8 +91,17 @@ class TeacherConfig:
     """Keep the LLM's top-k log-probs per position for a KL/TV loss (0 = off)."""
     backend: str = "auto"
     """'batched' (greedy only: boosttune's own batched decoder, boosttune/train/batched_decode.py),
-    'hf' (transformers ``generate``; needed for sampling teachers), or 'auto' (batched when greedy and
-    the LLM's attention is plain full causal attention, else hf)."""
+    'hf' (transformers ``generate``; needed for sampling teachers), 'auto' (batched when greedy and
+    the LLM's attention is plain full causal attention, else hf), or 'openai' (an OpenAI-compatible
+    completions server, e.g. vLLM, SGLang, llama-server or `boosttune serve`, at ``endpoint``)."""
+    endpoint: str = ""
+    """openai backend: the server's base URL, e.g. http://127.0.0.1:8000/v1 (required for openai)."""
+    model: str = ""
+    """openai backend: the model name the server serves (empty = the first of GET /v1/models)."""
+    concurrency: int = 8
+    """openai backend: requests in flight at once."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """openai backend: the environment variable holding the API key (unset or empty: no key sent)."""
     attn_implementation: str = "eager"
     """The HF backend's attention ('eager' or 'sdpa'); the batched backend brings its own."""
     reuse_from: str = ""
@@ -492,6 +501,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.teacher.backend in TEACHER_BACKENDS, "teacher.backend", f"must be one of {', '.join(TEACHER_BACKENDS)}")
     _check(cfg.teacher.backend != "batched" or cfg.teacher.temperature == 0, "teacher.backend",
            "the batched backend is greedy only: set teacher.temperature=0 or teacher.backend=hf")
+    _check_openai_teacher(cfg.teacher)
     for name in ("teacher_dtype", "eval_dtype"):
         _check(getattr(cfg.llm, name) in ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16"),
                f"llm.{name}", "must be fp32, bf16 or fp16")
@@ -528,6 +538,23 @@ def validate(cfg: TrainConfig) -> None:
                f"{cfg.teacher.reuse_from} is not a run directory with a finished prompt set")
     if cfg.eval.prompts:
         _check(Path(cfg.eval.prompts).is_file(), "eval.prompts", f"file not found: {cfg.eval.prompts}")
+
+
+def _check_openai_teacher(t: TeacherConfig) -> None:
+    """The openai backend's fields: a usable endpoint URL, a positive concurrency."""
+    from urllib.parse import urlparse
+
+    _check(t.concurrency >= 1, "teacher.concurrency", f"must be >= 1 (requests in flight), got {t.concurrency}")
+    if t.backend != "openai":
+        return
+    _check(bool(t.endpoint.strip()), "teacher.endpoint",
+           "the openai backend needs the server's base URL, e.g. teacher.endpoint=http://127.0.0.1:8000/v1")
+    url = urlparse(t.endpoint.strip())
+    _check(url.scheme in ("http", "https") and bool(url.netloc), "teacher.endpoint",
+           f"{t.endpoint!r} is not an http(s) URL; write it like http://127.0.0.1:8000/v1")
+    _check(not t.api_key_env or t.api_key_env.replace("_", "").isalnum(), "teacher.api_key_env",
+           f"{t.api_key_env!r} is not an environment variable name (e.g. OPENAI_API_KEY); the key itself "
+           "belongs in that variable, not in the config")
 
 
 def check_deepspeed_json(cfg: TrainConfig) -> None:

@@ -33,11 +33,14 @@ from boosttune.train.draft_ranking import ensure_draft_ranking
 from boosttune.train.faults import crash_point
 from boosttune.train.matching import is_match, summarize_agreement, teacher_forced_agreement
 from boosttune.train.sources import TrainPrompt, collect_prompts, default_seeds
-from boosttune.train.teacher import load_teacher, remove_shard_temporaries, run_teacher
+from boosttune.train.teacher import load_teacher, missing_shards, remove_shard_temporaries, run_teacher
 
 # Fields that may differ when a run is resumed (how it runs, not what it computes).
 _RESUMABLE_CHANGES = ("optim.devices", "optim.num_nodes", "optim.accelerator", "optim.strategy", "optim.logger",
-                      "optim.checkpoint_every", "optim.max_minutes", "llm.device", "eval.", "tree.", "scheduler.")
+                      "optim.checkpoint_every", "optim.max_minutes", "llm.device", "eval.", "tree.", "scheduler.",
+                      "teacher.endpoint", "teacher.concurrency", "teacher.api_key_env")
+# Teacher fields that say where and how the continuations are asked for, not what they are.
+_TEACHER_HOW = ("teacher.reuse_from", "teacher.endpoint", "teacher.concurrency", "teacher.api_key_env")
 PROFILE_DEPTHS = 8
 
 
@@ -115,7 +118,7 @@ def check_reuse(cfg: TrainConfig) -> None:
     theirs = _flatten(to_dict(load_config(src.config_path)))
     ours = _flatten(to_dict(cfg))
     for k in sorted(ours):
-        if k.startswith(("llm.ref", "llm.teacher_dtype", "prompts.", "teacher.")) and k != "teacher.reuse_from" \
+        if k.startswith(("llm.ref", "llm.teacher_dtype", "prompts.", "teacher.")) and k not in _TEACHER_HOW \
                 and theirs.get(k) != ours[k]:
             raise ConfigError(f"teacher.reuse_from: {src} was made with {k}={theirs.get(k)!r}, this run has {ours[k]!r}")
 
@@ -200,8 +203,20 @@ def teacher_phase(cfg: TrainConfig, run: RunDir, llm, prompts: list[TrainPrompt]
         path = run.teacher_stats(dist.rank())
         old = json.loads(path.read_text()) if path.exists() else {"tokens": 0, "seconds": 0.0}
         atomic_write_json(path, {"tokens": old["tokens"] + stats["tokens"],
-                                        "seconds": old["seconds"] + stats["seconds"]})
+                                 "seconds": old["seconds"] + stats["seconds"],
+                                 "backends": sorted({*old.get("backends", []), stats["backend"]}),
+                                 "token_ids": _merge_token_ids(old.get("token_ids"), stats["token_ids"])})
     return stats
+
+
+def _merge_token_ids(a: dict | None, b: dict | None) -> dict:
+    """How token ids were obtained, over resumed runs and ranks: sources joined, counts added."""
+    a, b = a or {}, b or {}
+    sources = sorted({x for d in (a, b) for x in str(d.get("source", "")).split("+") if x})
+    out = {"source": "+".join(sources)} if sources else {}
+    for k in sorted((a.keys() | b.keys()) - {"source"}):
+        out[k] = a.get(k, 0) + b.get(k, 0)
+    return out
 
 
 def teacher_summary(run: RunDir, ds) -> dict:
@@ -209,9 +224,14 @@ def teacher_summary(run: RunDir, ds) -> dict:
     tokens = sum(len(x) for x in ds["output_ids"])
     secs = max((r["seconds"] for r in per_rank), default=0.0)  # ranks run in parallel
     measured = sum(r["tokens"] for r in per_rank)
+    token_ids: dict = {}
+    for r in per_rank:
+        token_ids = _merge_token_ids(token_ids, r.get("token_ids"))
     return {"samples": len(ds), "tokens": tokens, "seconds": secs,
             "tokens_per_s": measured / secs if secs else None,
-            "stop_fraction": sum(f == "stop" for f in ds["finish"]) / max(1, len(ds))}
+            "stop_fraction": sum(f == "stop" for f in ds["finish"]) / max(1, len(ds)),
+            "backends": sorted({b for r in per_rank for b in r.get("backends", [])}),
+            "token_ids": token_ids}
 
 
 # ------------------------------------------------------------------------------------------- stages
@@ -382,6 +402,13 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
     dist.barrier()
     check_or_save_config(cfg, run)
     t_start = time.perf_counter()
+    info = run.prompts_info()
+    if cfg.teacher.backend == "openai" and (info is None or missing_shards(run, info["count"], cfg.teacher.shard_size)):
+        from transformers import AutoTokenizer
+
+        from boosttune.train.teacher_openai import check_endpoint
+
+        check_endpoint(cfg.teacher, AutoTokenizer.from_pretrained(resolve_model_path(cfg.llm.ref)))  # before weights
     llm = load_model(cfg.llm.ref, parse_dtype(cfg.llm.teacher_dtype), device=_device(cfg))
     pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else min(eos_token_ids(llm))
 

@@ -9,6 +9,9 @@ Columns: ``prompt_id`` (str), ``input_ids`` (prompt tokens), ``output_ids`` (the
 after the first EOS), ``finish`` ("stop" or "length"), and with ``teacher.topk_logprobs = k``:
 ``topk_ids`` / ``topk_logprobs`` (k per output position: the LLM's k most likely tokens and their
 log-probabilities after temperature 1, for KL/TV distillation).
+
+Backends: ``batched`` and ``hf`` run the LLM in this process; ``openai`` asks an OpenAI-compatible
+server for the same continuations (:mod:`boosttune.train.teacher_openai`) and writes the same shards.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ def _left_pad(batch: Sequence[Sequence[int]], pad: int, device) -> tuple[torch.T
 
 
 def resolve_backend(cfg: TeacherConfig, model) -> str:
-    """'batched' or 'hf': what ``cfg.backend`` means for this model ('auto': batched when it can)."""
+    """'batched', 'hf' or 'openai': what ``cfg.backend`` means for this model ('auto': batched when it can)."""
     if cfg.backend != "auto":
         return cfg.backend
     return "batched" if cfg.temperature == 0 and batched_decode.unsupported_reason(model) is None else "hf"
@@ -150,7 +153,13 @@ def run_teacher(
     model, tokenizer, prompts: Sequence[TrainPrompt], cfg: TeacherConfig, run: RunDir,
     eos_ids: frozenset[int], rank: int = 0, world: int = 1, seed: int = 0,
 ) -> dict:
-    """Write this rank's missing shards; returns what this call generated (tokens, seconds, tok/s)."""
+    """Write this rank's missing shards; returns what this call generated (tokens, seconds, tok/s, the
+    backend, and how the token ids were obtained). ``teacher.backend: openai`` asks a server instead of
+    ``model`` (:mod:`boosttune.train.teacher_openai`)."""
+    if cfg.backend == "openai":
+        from boosttune.train.teacher_openai import run_openai_teacher
+
+        return run_openai_teacher(tokenizer, prompts, cfg, run, eos_ids, rank=rank, world=world, seed=seed)
     run.teacher_dir.mkdir(parents=True, exist_ok=True)
     n = num_shards(len(prompts), cfg.shard_size)
     todo = [k for k in my_shards(n, rank, world) if not run.teacher_shard(k).exists()]
@@ -178,7 +187,7 @@ def run_teacher(
     bar.close()
     secs = time.perf_counter() - t0
     return {"shards_written": len(todo), "tokens": tokens, "seconds": secs, "backend": backend,
-            "tokens_per_s": tokens / secs if secs > 0 and tokens else 0.0}
+            "tokens_per_s": tokens / secs if secs > 0 and tokens else 0.0, "token_ids": {"source": "model"}}
 
 
 def missing_shards(run: RunDir, n_prompts: int, shard_size: int) -> list[int]:

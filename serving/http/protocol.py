@@ -12,8 +12,12 @@ Requests are checked in layers, each with its own status, so that clients learn 
 
 An unknown model is 404 (``model_not_found``); an oversized body 413 (server.py). Every error body is
 ``{"error": {"message", "type", "param", "code"}}``. Unknown fields are ignored, as many clients send
-extras. Extensions beyond OpenAI's schema: ``top_k`` (sampling) and ``return_token_ids`` (adds the
-generated ids to the ``boosttune`` statistics of the response).
+extras. Extensions beyond OpenAI's schema: ``top_k`` (sampling) and ``return_token_ids``. The latter
+adds the generated ids to the ``boosttune`` statistics of the response and, in a whole (non-streamed)
+response, the fields vLLM's extension of the same name adds (vLLM's ``CompletionResponseChoice``,
+vllm/entrypoints/openai/protocol.py): ``token_ids`` (the generated ids, an EOS included) and
+``prompt_token_ids`` in the choice of a completion; for a chat completion, ``token_ids`` in the choice
+and ``prompt_token_ids`` beside ``choices``.
 """
 
 from __future__ import annotations
@@ -403,8 +407,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def response_body(kind: str, rid: str, model: str, text: str, finish_reason: str, usage_: dict, stats: dict) -> dict:
-    """A whole (non-streamed) completion or chat completion."""
+def response_body(kind: str, rid: str, model: str, text: str, finish_reason: str, usage_: dict, stats: dict,
+                  token_ids: tuple[list[int], list[int]] | None = None) -> dict:
+    """A whole (non-streamed) completion or chat completion; ``token_ids`` = (prompt ids, generated ids)
+    when the request asked for them (``return_token_ids``, laid out as vLLM does)."""
     if kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                   "finish_reason": finish_reason}
@@ -412,8 +418,16 @@ def response_body(kind: str, rid: str, model: str, text: str, finish_reason: str
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
+    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
             "usage": usage_, "boosttune": stats}
+    if token_ids is not None:
+        prompt_ids, output_ids = token_ids
+        choice["token_ids"] = list(output_ids)
+        if kind == "chat":
+            body["prompt_token_ids"] = list(prompt_ids)
+        else:
+            choice["prompt_token_ids"] = list(prompt_ids)
+    return body
 
 
 def chunk_body(kind: str, rid: str, model: str, text: str | None, finish_reason: str | None = None,

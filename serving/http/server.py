@@ -340,8 +340,10 @@ async def _answer(state: _State, req: GenerationRequest, sub: _Submission, reque
             result = event.result
             text = TextStream(state.tokenizer, req.stop)
             text.push(result.tokens)
+            ids = (req.prompt_ids, list(result.tokens)) if req.return_token_ids else None
             body = response_body(req.kind, new_id(req.kind), state.model_name, text.text, result.finish_reason,
-                                 usage(len(req.prompt_ids), len(result.tokens)), state.stats(req, result, event.queue_time))
+                                 usage(len(req.prompt_ids), len(result.tokens)), state.stats(req, result, event.queue_time),
+                                 token_ids=ids)
             return JSONResponse(body)
     finally:
         gone.cancel()
