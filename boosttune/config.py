@@ -34,7 +34,8 @@ class LLMConfig:
     ref: str = "default"
     """'default' (SmolLM2-135M-Instruct), 'tiny-random', a local directory or a hub id."""
     teacher_dtype: str = "bf16"
-    """dtype of the LLM while it writes continuations (bf16 is ~2x faster on AMX CPUs)."""
+    """dtype of the LLM while it writes continuations: fp32, bf16, fp16, or 'auto' (bf16 where the device
+    has native bf16, else fp32; bf16 is ~2x faster on AMX CPUs and far slower on AVX2-only ones)."""
     eval_dtype: str = "fp32"
     """dtype of the LLM for the final τ evaluation (fp32: the exact setting)."""
     device: str = "auto"
@@ -503,8 +504,8 @@ def validate(cfg: TrainConfig) -> None:
            "the batched backend is greedy only: set teacher.temperature=0 or teacher.backend=hf")
     _check_openai_teacher(cfg.teacher)
     for name in ("teacher_dtype", "eval_dtype"):
-        _check(getattr(cfg.llm, name) in ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16"),
-               f"llm.{name}", "must be fp32, bf16 or fp16")
+        _check(getattr(cfg.llm, name) in ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16", "auto"),
+               f"llm.{name}", "must be fp32, bf16, fp16 or auto (bf16 where the device has native bf16, else fp32)")
     if cfg.ssm.init == "derived":
         _check(bool(cfg.ssm.layers) or cfg.ssm.num_layers > 0, "ssm.num_layers",
                "derived SSMs need ssm.layers (LLM layers to copy) or ssm.num_layers > 0")

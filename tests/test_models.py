@@ -265,3 +265,14 @@ def test_default_llm() -> None:
     out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
     answer = tok.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+def test_auto_dtype_is_bf16_only_where_the_device_multiplies_it_natively() -> None:
+    cpu_native = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    assert models.native_bf16("cpu") is cpu_native
+    assert models.parse_dtype("auto") is (torch.bfloat16 if cpu_native else torch.float32)
+    assert models.parse_dtype("AUTO", "cpu") is models.parse_dtype("auto")
+    assert models.native_bf16("meta") is False
+    assert models.dtype_name(models.parse_dtype("auto")) in ("bf16", "fp32")
+    with pytest.raises(ValueError, match="auto"):
+        models.parse_dtype("int8")

@@ -84,7 +84,7 @@ def test_deepspeed_json_disagreeing_is_refused(tmp_path: Path) -> None:
         (["prompts.sources=[{kind: web}]"], r"prompts.sources\[0\].kind: must be one of"),
         (["optim.loss=ce+kl"], "optim.loss: 'ce\\+kl' needs the teacher's top-k log-probs"),
         (["ssm.layers=[0, -1]"], "ssm.layers: layer indices must be >= 0"),
-        (["llm.teacher_dtype=int8"], "llm.teacher_dtype: must be fp32, bf16 or fp16"),
+        (["llm.teacher_dtype=int8"], "llm.teacher_dtype: must be fp32, bf16, fp16 or auto"),
         (["eval.prompts=/no/such.jsonl"], "eval.prompts: file not found"),
         (["teacher.top_p=0"], "teacher.top_p: must be in"),
         (["optim.deepspeed_config=/no/ds.json"], "optim.deepspeed_config: file not found"),

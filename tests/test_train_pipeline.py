@@ -96,6 +96,7 @@ def test_report_has_one_entry_per_stage(tiny_run: Path) -> None:
     assert [x["ssm"] for x in ev["singles"]] == ["ssm-1", "ssm-2", "ssm-3"]
     assert ev["ensemble"]["tau"] >= 1.0 and ev["prompts"] == 2
     assert report["teacher"]["samples"] == 60 and report["teacher"]["tokens"] > 0
+    assert report["teacher"]["dtypes"] == ["fp32"]  # configs/tiny.yaml: teacher_dtype fp32, recorded as used
     assert (tiny_run / "config.yaml").is_file()
     assert (tiny_run / "stages" / "stage-1" / "logs" / "version_0" / "metrics.csv").is_file()
     # The draft vocabulary ranking counts the teacher's tokens on the training prompts only.

@@ -36,7 +36,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "bundle, where its LLM is (its hash is still checked)")
     p.add_argument("--ssm", action="append", default=[], metavar="SSM",
                    help="an SSM (path or hub id); repeat for several; 'default' uses the LLM itself as SSM")
-    p.add_argument("--dtype", default="fp32", help="fp32 or bf16 for the LLM, and the SSMs unless --ssm-dtype (default fp32)")
+    p.add_argument("--dtype", default="fp32",
+                   help="fp32, bf16 or auto (bf16 where this CPU multiplies bf16 natively: AMX or AVX512-BF16; "
+                        "else fp32) for the LLM, and the SSMs unless --ssm-dtype (default fp32)")
     p.add_argument("--ssm-dtype", default=None, help="dtype of the SSMs (default: --dtype); the output depends only on the LLM's")
     p.add_argument("--tree", default=None, choices=sorted(TREE_POLICIES), help=f"tree policy (default {default.kind})")
     p.add_argument("--widths", type=int_list, default=None,

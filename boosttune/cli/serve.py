@@ -13,7 +13,8 @@ def add_commands(sub) -> dict:
                    help="where the LLM is, overriding the bundle's reference (its hash is still checked)")
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    s.add_argument("--dtype", default="fp32", help="fp32 or bf16 for the LLM, and the SSMs unless --ssm-dtype")
+    s.add_argument("--dtype", default="fp32", help="fp32, bf16 or auto (bf16 where this CPU multiplies bf16 "
+                                                 "natively, else fp32) for the LLM, and the SSMs unless --ssm-dtype")
     s.add_argument("--ssm-dtype", default=None, help="dtype of the SSMs (default: --dtype)")
     s.add_argument("--model-name", default=None, help="model id clients send (default: the bundle directory's name)")
     s.add_argument("--max-queue", type=int, default=64, help="requests that may wait for the engine (then 503)")

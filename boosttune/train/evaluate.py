@@ -14,7 +14,7 @@ from dataclasses import asdict
 
 from boosttune.assemble import engine_from_models
 from boosttune.config import TrainConfig
-from boosttune.core.models import eos_token_ids, load_llm_and_ssms, parse_dtype
+from boosttune.core.models import dtype_name, eos_token_ids, load_llm_and_ssms, parse_dtype
 from boosttune.core.progress import progress
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.core.rundir import RunDir, ssm_name
@@ -67,7 +67,7 @@ def evaluate_run(cfg: TrainConfig, run: RunDir, held_out: list[TrainPrompt]) -> 
     tree = cfg.tree
     ranking = load_ranking(run.draft_vocab_path) if tree.draft_vocab else None
     t0 = time.perf_counter()
-    out: dict = {"prompts": len(prompts), "max_new_tokens": cfg.eval.max_new_tokens, "dtype": cfg.llm.eval_dtype,
+    out: dict = {"prompts": len(prompts), "max_new_tokens": cfg.eval.max_new_tokens, "dtype": dtype_name(dtype),
                  "widths": list(tree.widths), "tree": asdict(tree), "singles": []}
     # plain decoding in the same process and dtype: every speed below is relative to it
     out["plain"] = plain = tau_of(engine_from_models(llm.model, [], tree), prompts, stop)

@@ -25,7 +25,14 @@ import torch
 
 from boosttune.config import BoostConfig, ConfigError, TrainConfig, dump_yaml, load_config, to_dict
 from boosttune.core.files import atomic_write_json, atomic_write_text, is_complete, mark_complete
-from boosttune.core.models import eos_token_ids, load_model, model_vocab_size, parse_dtype, resolve_model_path
+from boosttune.core.models import (
+    dtype_name,
+    eos_token_ids,
+    load_model,
+    model_vocab_size,
+    parse_dtype,
+    resolve_model_path,
+)
 from boosttune.core.rundir import REPORT_FORMAT, RunDir
 from boosttune.train import dist
 from boosttune.train.distill import samples_from_teacher
@@ -205,6 +212,7 @@ def teacher_phase(cfg: TrainConfig, run: RunDir, llm, prompts: list[TrainPrompt]
         atomic_write_json(path, {"tokens": old["tokens"] + stats["tokens"],
                                  "seconds": old["seconds"] + stats["seconds"],
                                  "backends": sorted({*old.get("backends", []), stats["backend"]}),
+                                 "dtypes": sorted({*old.get("dtypes", []), dtype_name(llm.model.dtype)}),
                                  "token_ids": _merge_token_ids(old.get("token_ids"), stats["token_ids"])})
     return stats
 
@@ -231,6 +239,7 @@ def teacher_summary(run: RunDir, ds) -> dict:
             "tokens_per_s": measured / secs if secs else None,
             "stop_fraction": sum(f == "stop" for f in ds["finish"]) / max(1, len(ds)),
             "backends": sorted({b for r in per_rank for b in r.get("backends", [])}),
+            "dtypes": sorted({d for r in per_rank for d in r.get("dtypes", [])}),
             "token_ids": token_ids}
 
 
@@ -409,7 +418,8 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
         from boosttune.train.teacher_openai import check_endpoint
 
         check_endpoint(cfg.teacher, AutoTokenizer.from_pretrained(resolve_model_path(cfg.llm.ref)))  # before weights
-    llm = load_model(cfg.llm.ref, parse_dtype(cfg.llm.teacher_dtype), device=_device(cfg))
+    teacher_dtype = parse_dtype(cfg.llm.teacher_dtype, _device(cfg))
+    llm = load_model(cfg.llm.ref, teacher_dtype, device=_device(cfg))
     pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else min(eos_token_ids(llm))
 
     if dist.is_main():
@@ -424,7 +434,8 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
 
     stats = teacher_phase(cfg, run, llm, prompts)
     if stats["tokens"]:
-        _log(f"teacher: {stats['tokens']} tokens in {stats['seconds']:.0f} s ({stats['tokens_per_s']:.0f} tok/s, rank 0)")
+        _log(f"teacher: {stats['tokens']} tokens in {stats['seconds']:.0f} s ({stats['tokens_per_s']:.0f} tok/s, rank 0, "
+             f"LLM in {dtype_name(teacher_dtype)})")
     dist.barrier()
     ds = load_teacher(run, len(prompts), cfg.teacher.shard_size)
     teacher = teacher_summary(run, ds)
