@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import platform
 import shutil
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from boosttune.core.files import sha256_file
 from boosttune.core.rundir import RunDir
+from boosttune.export_common import atomic_dir, check_out, tree_bytes, weight_files
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.bundle import llm_content_hash
 from boosttune.serving.manifest import (
@@ -79,7 +78,7 @@ def _copy_ssm(src: Path, dest: Path, tokenizer_vocab: dict[str, int]) -> tuple[l
     """Copy one SSM's config, safetensors weights and stats; returns (weight names, profile name)."""
     from transformers import AutoTokenizer
 
-    weights = sorted(p.name for p in src.iterdir() if p.is_file() and p.name.endswith((".safetensors", ".safetensors.index.json")))
+    weights = weight_files(src)
     if not any(w.endswith(".safetensors") for w in weights):
         raise ValueError(
             f"SSM {src} has no *.safetensors weights (bundles never carry pickled weights); "
@@ -151,10 +150,7 @@ def export_bundle(
     ssm_dirs = run.ssm_dirs()
     if not ssm_dirs:
         raise ValueError(f"{run}: no complete SSM under ssms/ (no complete.json); finish `boosttune train` first")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise ValueError(f"--out {out} exists and is not empty; choose another directory or pass --force")
-    if out.resolve() == run.root.resolve() or run.root.resolve() in out.resolve().parents:
-        raise ValueError(f"--out {out} is inside the run directory; write the bundle elsewhere")
+    check_out(out, run, force)
     if prompt_lookup < 0:
         raise ValueError(f"--prompt-lookup must be >= 0 (0 = off), got {prompt_lookup}")
     tree = _tree(report, run)
@@ -173,10 +169,7 @@ def export_bundle(
     except BundleError as e:
         raise ValueError(str(e)) from None
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.export-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with atomic_dir(out) as tmp:
         tokenizer = AutoTokenizer.from_pretrained(llm_dir)
         tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
         vocab = tokenizer.get_vocab()
@@ -213,11 +206,4 @@ def export_bundle(
             prompt_lookup=int(prompt_lookup),
         )
         manifest.write(tmp)  # last: a bundle without it is refused
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    return ExportResult(bundle=out, manifest=manifest, total_bytes=total)
+    return ExportResult(bundle=out, manifest=manifest, total_bytes=tree_bytes(out))
