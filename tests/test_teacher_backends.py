@@ -14,7 +14,7 @@ from transformers import MistralConfig, MistralForCausalLM
 
 from boosttune.config import ConfigError, load_config
 from boosttune.train import batched_decode
-from boosttune.train.teacher import _cut_at_eos, generate_batch, resolve_backend
+from boosttune.train.teacher import cut_at_eos, generate_batch, resolve_backend
 
 MAX_NEW = 24
 TOPK = 3
@@ -29,7 +29,7 @@ def _prompts() -> list[list[int]]:
 def _reference(model, prompt: list[int], eos: frozenset[int]) -> tuple[list[int], torch.Tensor]:
     out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
                          pad_token_id=0, return_dict_in_generate=True, output_logits=True)
-    toks, _ = _cut_at_eos(out.sequences[0, len(prompt):].tolist(), eos)
+    toks, _ = cut_at_eos(out.sequences[0, len(prompt):].tolist(), eos)
     logp = torch.log_softmax(torch.stack(out.logits, 1)[0].float(), -1)[: len(toks)]  # (n, V)
     return toks, logp
 

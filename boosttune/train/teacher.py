@@ -62,7 +62,7 @@ def my_shards(n: int, rank: int, world: int) -> list[int]:
     return [k for k in range(n) if k % world == rank]
 
 
-def _cut_at_eos(tokens: list[int], eos: frozenset[int]) -> tuple[list[int], str]:
+def cut_at_eos(tokens: list[int], eos: frozenset[int]) -> tuple[list[int], str]:
     for i, t in enumerate(tokens):
         if t in eos:
             return tokens[: i + 1], "stop"
@@ -95,8 +95,8 @@ def generate_batch(
         if temperature > 0:
             raise ValueError("the batched teacher backend is greedy only (temperature 0)")
         outs, top_ids, top_lps = batched_decode.greedy_batch(model, prompts, max_new_tokens, eos_ids, pad_id, topk)
-        # greedy_batch stops each row at its first EOS: _cut_at_eos only names the finish
-        return [Continuation(*_cut_at_eos(o, eos_ids), top_ids[r] if topk else None, top_lps[r] if topk else None)
+        # greedy_batch stops each row at its first EOS: cut_at_eos only names the finish
+        return [Continuation(*cut_at_eos(o, eos_ids), top_ids[r] if topk else None, top_lps[r] if topk else None)
                 for r, o in enumerate(outs)]
     return _hf_generate(model, prompts, max_new_tokens, temperature, top_p, pad_id, eos_ids, topk)
 
@@ -117,7 +117,7 @@ def _hf_generate(
     new = out.sequences[:, ids.shape[1]:].tolist()
     results = []
     for toks in new:
-        toks, finish = _cut_at_eos(toks, eos_ids)
+        toks, finish = cut_at_eos(toks, eos_ids)
         results.append(Continuation(toks, finish))
     if topk:
         logits = torch.stack(out.logits, dim=1).float()  # (B, steps, V)
@@ -128,7 +128,7 @@ def _hf_generate(
     return results
 
 
-def _write_shard(path: Path, prompts: Sequence[TrainPrompt], conts: Sequence[Continuation], topk: int) -> None:
+def write_shard(path: Path, prompts: Sequence[TrainPrompt], conts: Sequence[Continuation], topk: int) -> None:
     cols = {
         "prompt_id": [p.id for p in prompts],
         "input_ids": [p.input_ids for p in prompts],
@@ -183,7 +183,7 @@ def run_teacher(
                 tokens += len(c.output_ids)
             bar.set_postfix(tok=tokens, tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
             bar.update(len(idx))
-        _write_shard(run.teacher_shard(k), shard, conts, cfg.topk_logprobs)
+        write_shard(run.teacher_shard(k), shard, conts, cfg.topk_logprobs)
     bar.close()
     secs = time.perf_counter() - t0
     return {"shards_written": len(todo), "tokens": tokens, "seconds": secs, "backend": backend,

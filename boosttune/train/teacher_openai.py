@@ -23,7 +23,7 @@ Output token ids are exact where the server returns them: ``token_ids`` in the c
 ``return_tokens`` and ``verbose``: tools/server/server-schema.cpp, server-task.cpp). Elsewhere the
 text is re-tokenised, which can differ from the ids the LLM wrote (the report counts which way every
 continuation went, and how often a decode -> encode round trip of the exact ids differs). A "stop"
-continuation ends with its EOS token, as the local backends' do (``_cut_at_eos``); servers that leave
+continuation ends with its EOS token, as the local backends' do (``cut_at_eos``); servers that leave
 the EOS out of the ids get it put back (counted as ``eos_appended``).
 
 Transient failures (connection errors, timeouts, 429, 5xx) are retried with exponential backoff;
@@ -46,7 +46,7 @@ from boosttune.config import TeacherConfig
 from boosttune.core.progress import progress
 from boosttune.core.rundir import RunDir
 from boosttune.train.sources import TrainPrompt
-from boosttune.train.teacher import Continuation, _cut_at_eos, _write_shard, my_shards, num_shards
+from boosttune.train.teacher import Continuation, cut_at_eos, my_shards, num_shards, write_shard
 
 # Texts whose tokenisation differs between tokenizers: scripts, emoji, code, runs of spaces/tabs/newlines.
 PROBE_TEXTS = (
@@ -305,7 +305,7 @@ class OpenAITeacher:
             stats.retokenized = 1
             ids = list(self.tokenizer(choice.get("text") or "", add_special_tokens=False)["input_ids"])[:max_tokens]
         finish = choice.get("finish_reason")
-        ids, cut = _cut_at_eos(ids, self.eos)
+        ids, cut = cut_at_eos(ids, self.eos)
         if finish == "stop" and cut != "stop":
             if len(ids) >= max_tokens:
                 raise self._fail(f"{self.info.name} stopped (finish_reason 'stop') after {len(ids)} tokens without "
@@ -464,7 +464,7 @@ def run_openai_teacher(
                 conts, s = teacher.generate([p.input_ids for p in shard],
                                             [prompt_seed(seed, lo + i) for i in range(len(shard))], pool, done)
                 ids.add(s)
-                _write_shard(run.teacher_shard(k), shard, conts, cfg.topk_logprobs)
+                write_shard(run.teacher_shard(k), shard, conts, cfg.topk_logprobs)
         bar.close()
     finally:
         teacher.close()
