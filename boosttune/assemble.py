@@ -22,6 +22,7 @@ from pathlib import Path
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from boosttune.core.feature_head import is_feature_head
 from boosttune.core.models import LoadedModel, load_llm_and_ssms
 from boosttune.core.rundir import SCHEDULER_FILE, ssm_name
 from boosttune.scheduler.policy import Scheduler
@@ -30,6 +31,7 @@ from boosttune.serving.bundle import LoadedBundle, load_bundle
 from boosttune.serving.draft_vocab import ranking_for
 from boosttune.serving.drafter import Drafter, SSMDrafter
 from boosttune.serving.engine import GenerationResult, Plan, SpeculativeEngine, TokenCallback
+from boosttune.serving.feature_drafter import FeatureDrafter
 from boosttune.serving.lookup import LOOKUP_NAME, PromptLookupDrafter, lookup_tree
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams
@@ -95,7 +97,8 @@ def engine_from_models(
         raise ValueError(f"an SSM may not be named {LOOKUP_NAME!r}: that name is the prompt-lookup drafter's")
     v = llm.get_output_embeddings().weight.shape[0]
     drafters: dict[str, Drafter] = {
-        name: SSMDrafter(ModelRunner(m), vocab_size=v, ranking=ranking) for name, m in named.items()
+        name: (FeatureDrafter if is_feature_head(m) else SSMDrafter)(ModelRunner(m), vocab_size=v, ranking=ranking)
+        for name, m in named.items()
     }
     trees = dict.fromkeys(named, tree)
     if lookup:

@@ -188,6 +188,45 @@ class BoostConfig:
 
 
 @dataclass
+class FeatureConfig:
+    """A feature head (``boosttune/core/feature_head.py``: an EAGLE-style drafter that reads the LLM's
+    last hidden states), trained after the SSMs on all training samples (``boosttune/train/feature.py``).
+
+    Attributes:
+        enabled: train one, into ``RUN_DIR/ssms/feature``.
+        layers: the LLM's decoder layers copied into it (negative: from the end; EAGLE uses one).
+        minutes: wall-clock training budget (the first step past it is the last).
+        max_steps: stop after this many steps (0: the time budget alone).
+        batch_tokens: padded tokens per batch.
+        lr: AdamW learning rate (5 % warm-up, cosine to 10 %).
+        reg_weight: weight of the next-feature regression (smooth L1; EAGLE: 1).
+        ce_weight: weight of the cross-entropy against the LLM's distribution (EAGLE: 0.1).
+        noise: half-width of the uniform noise on input features (EAGLE: 0.1).
+        draft_vocab: the draft vocabulary it trains its cross-entropy over (0: the whole vocabulary);
+            serve it with the same ``--draft-vocab``.
+    """
+
+    enabled: bool = False
+    layers: list[int] = field(default_factory=lambda: [-1])
+    minutes: float = 5.0
+    max_steps: int = 0
+    batch_tokens: int = 2048
+    lr: float = 5e-4
+    reg_weight: float = 1.0
+    ce_weight: float = 0.1
+    noise: float = 0.1
+    draft_vocab: int = 8192
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("feature.layers must name at least one LLM layer, e.g. [-1]")
+        if self.minutes < 0 or self.max_steps < 0 or (self.enabled and not self.minutes and not self.max_steps):
+            raise ValueError("feature.minutes / feature.max_steps must be >= 0 and not both 0")
+        if self.batch_tokens < 16 or self.lr <= 0 or self.draft_vocab < 0 or self.noise < 0:
+            raise ValueError("feature: batch_tokens >= 16, lr > 0, draft_vocab >= 0 and noise >= 0 are required")
+
+
+@dataclass
 class EvalConfig:
     enabled: bool = True
     prompts: str = ""
@@ -337,6 +376,8 @@ class TrainConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     boost: BoostConfig = field(default_factory=BoostConfig)
+    feature: FeatureConfig = field(default_factory=FeatureConfig)
+    """A feature head trained after the SSMs (off unless ``feature.enabled``)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
     """Each SSM's tree: the τ evaluation drafts it (merged across SSMs for the ensemble), export writes it

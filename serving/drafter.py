@@ -197,10 +197,7 @@ class SSMDrafter:
             anc = ancestor_mask(par_t)  # (N, N)
             order = torch.tensor(fed + new_idx.tolist(), dtype=torch.long)
             mask = anc[new_idx][:, order]  # (F', fed + F')
-            pos = (t - 1 + d + 1) + torch.zeros(1, new_idx.numel(), dtype=torch.long)
-            logits = self.runner.forward(
-                torch.tensor(tokens, dtype=torch.long)[new_idx].unsqueeze(0), pos, t, mask
-            )
+            logits = self._feed_nodes(torch.tensor(tokens, dtype=torch.long), par_t, new_idx, d + 1, t, mask)
             fed += new_idx.tolist()
             frontier = new_idx
             q_frontier = draft_probs(self._fit(logits), sampling)  # (F', V)
@@ -222,6 +219,12 @@ class SSMDrafter:
             slots = slots[old]
         self._slots = slots
         return drafted
+
+    def _feed_nodes(self, tokens: Tensor, parents: Tensor, new_idx: Tensor, depth: int, t: int, mask: Tensor) -> Tensor:
+        """Feed the new nodes ``new_idx`` (all at ``depth``) after the ``t`` committed tokens and the
+        nodes fed before them, with ``mask`` (F', fed + F'); returns their (F', V_ssm) logits."""
+        pos = (t - 1 + depth) + torch.zeros(1, new_idx.numel(), dtype=torch.long)
+        return self.runner.forward(tokens[new_idx].unsqueeze(0), pos, t, mask)
 
     def accept(self, accepted: list[int]) -> None:
         keep = []

@@ -202,16 +202,20 @@ class SpeculativeEngine:
         committed = list(prompt_ids)
         prefix = torch.tensor(committed[:-1], dtype=torch.long)
         plan_s = 0.0
-        if planner is None:
+        readers = [d for d in self.drafters.values() if wants_features(d)]
+        if planner is None and not readers:
             if len(committed) > 1:  # prefill all but the pending token
                 self.llm.forward_chain(prefix)
         else:
             width = self.llm.model.get_output_embeddings().weight.shape[1]
             hidden = (self.llm.chain_hidden(prefix) if len(committed) > 1
                       else torch.zeros(0, width, device=self.llm.device))  # on chain_hidden's device
-            t0 = time.perf_counter()
-            plan = planner(hidden)
-            plan_s = time.perf_counter() - t0
+            for d in readers:
+                d.observe(hidden)
+            if planner is not None:
+                t0 = time.perf_counter()
+                plan = planner(hidden)
+                plan_s = time.perf_counter() - t0
         prefill_s = time.perf_counter() - start - plan_s
         plan = self._checked(plan) if plan is not None else self.plan
         res = self._loop(committed, stop, sampling, on_tokens, plan, record)
@@ -227,6 +231,7 @@ class SpeculativeEngine:
         gen = sampling.generator(self.llm.device)  # the verifier samples from p on the LLM's device
         names = [name for name in self.drafters if name in plan.trees]
         drafters = [(self.drafters[name], plan.trees[name]) for name in names]
+        readers = [d for d, _ in drafters if wants_features(d)]
         records: list[StepRecord] = []
         generated: list[int] = []
         accept_lengths: list[int] = []
@@ -239,7 +244,10 @@ class SpeculativeEngine:
             tree, maps = self._draft(torch.tensor(committed), sampling, gen, drafters, draft_s)
             input_ids, pos, mask = verification_inputs(tree, committed[-1], prefix_len)
             t_verify = time.perf_counter()
-            logits = self.llm.forward(input_ids, pos, prefix_len, mask)  # (N + 1, V)
+            if readers:  # the same forward, keeping the LLM's last hidden states for the feature heads
+                logits, hidden = self.llm.forward_hidden(input_ids, pos, prefix_len, mask)  # (N + 1, V), (N + 1, H)
+            else:
+                logits = self.llm.forward(input_ids, pos, prefix_len, mask)  # (N + 1, V)
             verify_s = time.perf_counter() - t_verify
             if sampling.greedy:
                 path, bonus = greedy_verify(tree, logits)
@@ -252,6 +260,10 @@ class SpeculativeEngine:
                 hits[names[j]] += len(local)
                 d.accept(local)
             new, finish = stop.cut(generated, tree.tokens[path].tolist() + [bonus])
+            if readers:  # features of the pending token and the accepted path: positions now committed
+                rows = torch.tensor([0] + [n + 1 for n in path], dtype=torch.long)[: len(new)]
+                for d in readers:
+                    d.observe(hidden[rows.to(hidden.device)])
             generated += new
             committed += new
             accept_lengths.append(len(new))
@@ -262,6 +274,12 @@ class SpeculativeEngine:
                 step_s = time.perf_counter() - t_step
                 records.append(StepRecord(tree.size, accepts, draft_s, verify_s, step_s))
         return GenerationResult(generated, accept_lengths, 0.0, finish, hits, active=names, records=records)
+
+
+def wants_features(drafter: Drafter) -> bool:
+    """Whether ``drafter`` reads the LLM's last hidden states (a feature head, ``feature_drafter.py``):
+    the engine then hands it those of every committed position through its ``observe``."""
+    return bool(getattr(drafter, "wants_features", False))
 
 
 def _local_path(merged_of_local: Tensor, path: list[int]) -> list[int]:

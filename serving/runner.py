@@ -155,18 +155,30 @@ class ModelRunner:
         assert hidden is not None
         return hidden
 
+    def forward_hidden(
+        self, inputs: Tensor, position_ids: Tensor, prefix_len: int, tree_mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Like :meth:`forward`, but returns the (T, V) fp32 logits and the (T, H) fp32 last-layer
+        hidden states; ``inputs`` are (1, T) token ids or (1, T, H) input embeddings (a feature
+        drafter feeds embeddings it computed itself)."""
+        logits, hidden = self._run(inputs, position_ids, prefix_len, tree_mask, hidden=True)
+        assert hidden is not None
+        return logits, hidden
+
     @torch.inference_mode()
     def _run(
         self, input_ids: Tensor, position_ids: Tensor, prefix_len: int, tree_mask: Tensor, hidden: bool
     ) -> tuple[Tensor, Tensor | None]:
-        """(T, V) fp32 logits and, with ``hidden``, (T, H) fp32 last-layer hidden states."""
+        """(T, V) fp32 logits and, with ``hidden``, (T, H) fp32 last-layer hidden states.
+        ``input_ids``: (1, T) token ids, or (1, T, H) input embeddings."""
         t = input_ids.shape[1]
         s = self.cached_len + t
-        assert position_ids.shape == input_ids.shape, "position_ids must match input_ids"
+        assert position_ids.shape == input_ids.shape[:2], "position_ids must be (1, T)"
         assert tree_mask.shape == (t, s - prefix_len), f"tree_mask must be ({t}, {s - prefix_len})"
         spec = TreeAttentionSpec(prefix_len, tree_mask.to(self.device))
-        inputs = dict(input_ids=input_ids.to(self.device), position_ids=position_ids.to(self.device),
-                      use_cache=True, tree_spec=spec)
+        key = "input_ids" if input_ids.dim() == 2 else "inputs_embeds"
+        inputs = {key: input_ids.to(self.device), "position_ids": position_ids.to(self.device),
+                  "use_cache": True, "tree_spec": spec}
         with _attention(self.model, ATTN_NAME):
             if self._head_weight is not None:
                 body = self.model.base_model(**inputs, **{self._body_cache_kw: self.cache})

@@ -285,3 +285,24 @@ def test_kl_loss_with_lora(tmp_path: Path) -> None:
     cfg = json.loads((run / "ssms" / "ssm-1" / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 1  # LoRA merged back into a plain model
     assert not (run / "ssms" / "ssm-1" / "adapter_config.json").exists()
+
+
+def test_feature_head_trains_after_the_ssms_and_is_evaluated(tiny_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "feature"
+    args = (f"teacher.reuse_from={tiny_run}", "boost.num_ssms=1", "feature.enabled=true", "feature.minutes=0",
+            "feature.max_steps=4", "feature.batch_tokens=512")
+    ok(train(run, *args))
+    report = json.loads((run / "report.json").read_text())
+    feature = report["feature"]
+    assert feature["train"]["steps"] == 4 and feature["samples"] == 48 and feature["held_out_samples"] == 12
+    assert set(feature["held_out"]) == {"reg", "ce", "top1"}
+    from boosttune.core.feature_head import is_feature_head
+    from boosttune.core.models import load_model
+
+    head = load_model(str(run / "ssms" / "feature"))
+    assert is_feature_head(head.model)
+    row = report["evaluation"]["feature"]
+    assert row["tau"] >= 1.0 and row["tokens"] > 0 and row["draft_vocab"] == 8192
+    before = digest(run / "ssms")
+    ok(train(run, *args))  # finished: nothing retrained
+    assert digest(run / "ssms") == before

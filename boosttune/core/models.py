@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from boosttune.core.feature_head import attach_fc, is_feature_dir
 from boosttune.core.files import is_complete, mark_complete, sha256_file
 
 DEFAULT_LLM = "smollm2-135m-instruct"
@@ -308,6 +309,8 @@ def load_model(ref: str, dtype: torch.dtype | str = torch.float32, device: str =
     source = path if _is_builtin(ref) or os.path.isdir(os.path.expanduser(ref)) else ref
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, device_map=device)
+    if is_feature_dir(path):
+        attach_fc(model, path)
     model.eval()
     model.requires_grad_(False)
     gen = model.generation_config

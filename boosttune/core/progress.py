@@ -46,6 +46,12 @@ class LineProgress:
             self.update(1)
         self.close()
 
+    def __enter__(self) -> LineProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def update(self, n: int = 1) -> None:
         self.n += n
         now = time.monotonic()

@@ -187,6 +187,11 @@ class RunDir:
             return Path(path)
         return Path(resolve_model_path(ref))
 
+    @property
+    def feature_dir(self) -> Path:
+        """The run's feature head (``feature.enabled``), a model folder like an SSM's."""
+        return self.root / "ssms" / "feature"
+
     def ssm_dirs(self) -> list[Path]:
         """The trained SSMs of the run, in stage order (only complete ones)."""
         dirs = [self.root / s["ssm_dir"] for s in self.read_report().get("stages", [])]

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from boosttune.assemble import engine_from_models
 from boosttune.config import TrainConfig
-from boosttune.core.models import dtype_name, eos_token_ids, load_llm_and_ssms, parse_dtype
+from boosttune.core.files import is_complete
+from boosttune.core.models import dtype_name, eos_token_ids, load_llm_and_ssms, load_model, parse_dtype
 from boosttune.core.progress import progress
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.core.rundir import RunDir, ssm_name
+from boosttune.serving.builders import TreeConfig
 from boosttune.serving.draft_vocab import load_ranking
 from boosttune.serving.engine import SpeculativeEngine
 from boosttune.serving.stops import StopCriteria
@@ -81,6 +83,8 @@ def evaluate_run(cfg: TrainConfig, run: RunDir, held_out: list[TrainPrompt]) -> 
             out["ensemble"] = r
         else:
             out["singles"].append({"ssm": name, **r, "c": relative_cost(r, plain, tree.max_depth)})
+    if cfg.feature.enabled and is_complete(run.feature_dir):  # the feature head alone, on its draft vocabulary
+        out["feature"] = feature_tau(cfg, run, llm.model, tree, prompts, stop, plain)
     best = max((s["tau"] for s in out["singles"]), default=0.0)
     if "ensemble" in out and best:
         out["ensemble_gain_over_best_single"] = out["ensemble"]["tau"] / best - 1
@@ -88,3 +92,15 @@ def evaluate_run(cfg: TrainConfig, run: RunDir, held_out: list[TrainPrompt]) -> 
         out["ensemble_gain_over_first"] = out.get("ensemble", out["singles"][0])["tau"] / out["singles"][0]["tau"] - 1
     out["seconds"] = time.perf_counter() - t0
     return out
+
+
+def feature_tau(cfg: TrainConfig, run: RunDir, llm, tree: TreeConfig, prompts: list[list[int]], stop: StopCriteria,
+                plain: dict) -> dict:
+    """τ, speed and c of the run's feature head alone, on the run's tree shape with the head's draft
+    vocabulary (the one it was trained over)."""
+    head = load_model(str(run.feature_dir), llm.dtype)
+    tree = replace(tree, draft_vocab=cfg.feature.draft_vocab)
+    ranking = load_ranking(run.draft_vocab_path) if tree.draft_vocab else None
+    r = tau_of(engine_from_models(llm, {"feature": head.model}, tree, ranking=ranking), prompts, stop)
+    r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
+    return {**r, "c": relative_cost(r, plain, tree.max_depth), "draft_vocab": tree.draft_vocab}

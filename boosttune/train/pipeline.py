@@ -366,11 +366,60 @@ def _publish_model(model, tokenizer, out: Path, marker: dict, stats: dict | None
     tmp.rename(out)
 
 
+def feature_phase(cfg: TrainConfig, run: RunDir, train: list, held: list) -> dict | None:
+    """Rank 0 trains the feature head (``feature.enabled``) on every training sample, after the SSMs;
+    returns its statistics (None: disabled, or another rank). A finished head is not trained again;
+    a killed phase starts over (it is minutes long and keeps nothing half-done)."""
+    if not cfg.feature.enabled or not dist.is_main():
+        return None
+    out = run.feature_dir
+    stats_file = out / "stats.json"
+    if is_complete(out) and stats_file.is_file():
+        return json.loads(stats_file.read_text())
+    from boosttune.core.feature_head import save_fc
+    from boosttune.core.progress import progress
+    from boosttune.serving.draft_vocab import head_ids, load_ranking
+    from boosttune.train.feature import build_head, evaluate_head, llm_features, train_head
+
+    fc = cfg.feature
+    llm = load_model(cfg.llm.ref, torch.float32, device=_device(cfg))
+    vocab = llm.model.get_output_embeddings().weight.shape[0]
+    rows = head_ids(load_ranking(run.draft_vocab_path), fc.draft_vocab, vocab) if fc.draft_vocab else torch.arange(vocab)
+    t0 = time.perf_counter()
+    with progress(total=len(train) + len(held), desc="LLM features", unit="sample") as bar:
+        feats = llm_features(llm.model, train, bar.update)
+        held_feats = llm_features(llm.model, held, bar.update)
+    feature_s = time.perf_counter() - t0
+    head = build_head(llm.model, fc.layers).to(llm.model.device)
+    before = evaluate_head(head, held, held_feats, rows)
+    with progress(total=None, desc="feature head", unit="step") as bar:
+        stats = train_head(head, train, feats, rows, fc, on_step=lambda step, losses: bar.update(1),
+                           seed=cfg.optim.seed)
+    after = evaluate_head(head, held, held_feats, rows)
+    summary = {"layers": list(fc.layers), "draft_vocab": fc.draft_vocab, "feature_seconds": round(feature_s, 1),
+               "train": stats, "held_out_before": before, "held_out": after,
+               "samples": len(train), "held_out_samples": len(held)}
+    _log(f"feature head: {stats['steps']} steps in {stats['seconds']:.0f} s, held-out top-1 "
+         f"{before['top1']:.3f} -> {after['top1']:.3f} (features {feature_s:.0f} s)")
+    head = head.to(torch.float32).eval()
+    head.config.use_cache = True
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    head.save_pretrained(tmp)
+    llm.tokenizer.save_pretrained(tmp)
+    save_fc(head, tmp, {"layers": list(fc.layers), "draft_vocab": fc.draft_vocab})
+    atomic_write_json(tmp / "stats.json", summary)
+    mark_complete(tmp, {"feature": True})
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return summary
+
+
 # ------------------------------------------------------------------------------------------ report
 def eval_settings(cfg: TrainConfig) -> dict:
     """What the τ evaluation of a run's SSMs depends on besides the SSMs (JSON types)."""
     return json.loads(json.dumps({"eval": to_dict(cfg.eval), "tree": asdict(cfg.tree),
-                                  "eval_dtype": cfg.llm.eval_dtype}))
+                                  "eval_dtype": cfg.llm.eval_dtype, "feature": cfg.feature.enabled}))
 
 
 def previous_evaluation(run: RunDir, settings: dict) -> dict | None:
@@ -383,7 +432,7 @@ def previous_evaluation(run: RunDir, settings: dict) -> dict | None:
 
 
 def write_report(cfg: TrainConfig, run: RunDir, teacher: dict, prompts_info: dict, stages: list[dict],
-                 evaluation: dict | None) -> dict:
+                 evaluation: dict | None, feature: dict | None = None) -> dict:
     report = {
         "format": REPORT_FORMAT,
         "llm": {"ref": cfg.llm.ref, "path": resolve_model_path(cfg.llm.ref), "dtype": cfg.llm.eval_dtype},
@@ -392,6 +441,7 @@ def write_report(cfg: TrainConfig, run: RunDir, teacher: dict, prompts_info: dic
         "prompts": prompts_info,
         "teacher": teacher,
         "stages": stages,
+        "feature": feature,
         "evaluation": evaluation,
     }
     if dist.is_main():
@@ -459,18 +509,22 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
         _log(f"stage {k}: pool {s['pool_before']} -> {s['pool_after']}, match {s['match_rate']:.3f}, "
              f"held-out top-1 {s['heldout_top1']:.3f}, ensemble held-out match {s['ensemble_match_rate']:.3f}")
 
+    fresh_feature = cfg.feature.enabled and not is_complete(run.feature_dir)
+    feature = feature_phase(cfg, run, train_samples, held_samples)
+    trained = trained or fresh_feature
+    dist.barrier()
     settings = eval_settings(cfg)
     evaluation = None  # τ of these SSMs with these settings, when report.json has it already
     if cfg.eval.enabled and dist.is_main() and not trained:
         evaluation = previous_evaluation(run, settings)
     # every finished stage in report.json (evaluate_run reads them there; a run killed after a
     # stage's summary but before its report write left one out)
-    write_report(cfg, run, teacher, prompts_info, stages, evaluation)
+    write_report(cfg, run, teacher, prompts_info, stages, evaluation, feature)
     if cfg.eval.enabled and dist.is_main() and evaluation is None:
         from boosttune.train.evaluate import evaluate_run
 
         evaluation = {**evaluate_run(cfg, run, prompts[n_train:]), "settings": settings}
-    report = write_report(cfg, run, teacher, prompts_info, stages, evaluation)
+    report = write_report(cfg, run, teacher, prompts_info, stages, evaluation, feature)
     dist.barrier()
     if cfg.scheduler.prompts and dist.is_main():
         from boosttune.scheduler.offline.train import train_scheduler

@@ -1,0 +1,192 @@
+"""Training a feature head (``boosttune/core/feature_head.py``) on the teacher's samples.
+
+Shape legend: B samples per batch, L tokens per sample (pairs: L - 1), H hidden width, K draft
+vocabulary.
+
+Data: each teacher sample (prompt + the LLM's continuation) and the LLM's features ``F`` over it
+(one fp32 forward per sample, :func:`llm_features`). Pair j = ``(F_j, token_{j+1})`` predicts
+``F_{j+1}`` and ``token_{j+2}``.
+
+Losses, as EAGLE trains its head (Li et al. 2024, arXiv 2401.15077, §4: a smooth-L1 regression of
+the next feature plus 0.1 times a classification loss, with uniform noise U(-0.1, 0.1) added to the
+input features so the head tolerates its own errors at later depths):
+- ``reg``: smooth-L1 between the predicted and the LLM's next feature, at every pair;
+- ``ce``: cross-entropy of the head's next-token distribution against the LLM's own distribution
+  at ``F_{j+1}`` (soft targets, free: the LLM's head applied to the stored features), over the draft
+  vocabulary (the K rows of the LM head the head drafts with), at the continuation's pairs.
+The embeddings and the tied LM head stay frozen (they are the LLM's); the projection, the decoder
+layers and the final norm train.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from boosttune.config import FeatureConfig, SSMInitConfig
+from boosttune.core.feature_head import FC_ATTR, new_fc, pair_inputs
+from boosttune.train.distill import Sample
+from boosttune.train.ssm_init import derive_ssm
+
+
+@torch.no_grad()
+def llm_features(llm: PreTrainedModel, samples: Sequence[Sample], progress: Callable[[int], None] | None = None) -> list[Tensor]:
+    """(L, H) fp32 last-layer hidden states (after the final norm: the LM head's input) per sample."""
+    out = []
+    for s in samples:
+        ids = torch.tensor([s.ids], device=llm.device)
+        out.append(llm.base_model(input_ids=ids, use_cache=False).last_hidden_state[0].float().cpu())
+        if progress is not None:
+            progress(1)
+    return out
+
+
+def build_head(llm: PreTrainedModel, layers: Sequence[int]) -> PreTrainedModel:
+    """A feature head (fp32, train mode): the LLM's embeddings, ``layers``, final norm and tied head,
+    plus a pass-through projection; embeddings (= head) frozen."""
+    n = llm.config.num_hidden_layers
+    picked = [i % n for i in layers]
+    if any(not -n <= i < n for i in layers) or not picked:
+        raise ValueError(f"feature.layers: the LLM has {n} layers (0..{n - 1} or -{n}..-1), got {list(layers)}")
+    head = derive_ssm(llm, SSMInitConfig(init="derived", layers=picked))
+    llm_head, llm_embed = llm.get_output_embeddings().weight, llm.get_input_embeddings().weight
+    if llm_head.data_ptr() != llm_embed.data_ptr():  # an untied LLM: the head must be the LLM's own LM head
+        head.config.tie_word_embeddings = False
+        head.get_output_embeddings().weight = torch.nn.Parameter(llm_head.detach().float().clone(), requires_grad=False)
+    setattr(head, FC_ATTR, new_fc(llm.config.hidden_size))
+    head.get_input_embeddings().weight.requires_grad_(False)
+    return head.train()
+
+
+def _batches(lengths: Sequence[int], batch_tokens: int, gen: torch.Generator) -> list[list[int]]:
+    """Sample indices per batch: length-sorted, cut at ``batch_tokens`` padded tokens, shuffled."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches, cur, longest = [], [], 0
+    for i in order:
+        longest_if = max(longest, lengths[i])
+        if cur and longest_if * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, longest_if = [], lengths[i]
+        cur.append(i)
+        longest = longest_if
+    if cur:
+        batches.append(cur)
+    perm = torch.randperm(len(batches), generator=gen).tolist()
+    return [batches[i] for i in perm]
+
+
+def head_losses(
+    head: PreTrainedModel, samples: Sequence[Sample], feats: Sequence[Tensor], rows: Tensor, noise: float,
+    gen: torch.Generator | None = None,
+) -> dict[str, Tensor]:
+    """The two losses on one batch (and top-1 agreement with the LLM's argmax, a diagnostic).
+
+    Args:
+        head: the feature head.
+        samples: the batch's samples.
+        feats: their LLM features, (L_i, H) each.
+        rows: (K,) the draft vocabulary's token ids.
+        noise: half-width of the uniform input noise (0 for evaluation).
+        gen: the noise's generator.
+    """
+    b, width = len(samples), feats[0].shape[1]
+    n = max(len(s.ids) for s in samples) - 1  # pairs of the longest sample
+    f_in = torch.zeros(b, n, width)
+    f_out = torch.zeros(b, n, width)
+    tok = torch.zeros(b, n, dtype=torch.long)
+    valid = torch.zeros(b, n, dtype=torch.bool)  # a real pair (not padding)
+    cont = torch.zeros(b, n, dtype=torch.bool)  # ... whose next token is the LLM's continuation
+    for i, (s, f) in enumerate(zip(samples, feats, strict=True)):
+        m = len(s.ids) - 1
+        f_in[i, :m] = f[:-1]
+        tok[i, :m] = torch.tensor(s.ids[1:])
+        f_out[i, :m] = f[1:]
+        valid[i, :m] = True
+        cont[i, max(0, s.prompt_len - 2) : m] = True
+    if noise:
+        f_in = f_in + (torch.rand(f_in.shape, generator=gen) * 2 - 1) * noise
+    attn = valid.long()
+    dev = head.device
+    inputs = pair_inputs(head, f_in.to(dev), tok.to(dev))
+    pos = torch.arange(n, device=dev).expand(b, n)
+    hidden = head.base_model(inputs_embeds=inputs, attention_mask=attn.to(dev), position_ids=pos,
+                             use_cache=False).last_hidden_state  # (B, n, H)
+    valid, cont = valid.to(dev), cont.to(dev)
+    reg = F.smooth_l1_loss(hidden[valid].float(), f_out.to(dev)[valid])
+    w = head.get_output_embeddings().weight[rows.to(dev)]  # (K, H), frozen
+    pred = hidden[cont].float() @ w.float().T  # (C, K)
+    with torch.no_grad():
+        target = torch.softmax(f_out.to(dev)[cont] @ w.float().T, dim=-1)
+    ce = -(target * torch.log_softmax(pred, dim=-1)).sum(-1).mean()
+    top1 = (pred.argmax(-1) == target.argmax(-1)).float().mean()
+    return {"reg": reg, "ce": ce, "top1": top1.detach()}
+
+
+def train_head(
+    head: PreTrainedModel, samples: Sequence[Sample], feats: Sequence[Tensor], rows: Tensor, cfg: FeatureConfig,
+    on_step: Callable[[int, dict], None] | None = None, seed: int = 0,
+) -> dict:
+    """AdamW on the head until ``cfg.minutes`` or ``cfg.max_steps``; returns training statistics."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    budget_s = cfg.minutes * 60
+    # the schedule needs a length: estimate it from the first steps' speed when only time bounds it
+    total = cfg.max_steps or 0
+    lengths = [len(s.ids) for s in samples]
+    order: list[list[int]] = []
+    step, tokens, t0 = 0, 0, time.perf_counter()
+    last: dict = {}
+    while True:
+        elapsed = time.perf_counter() - t0
+        if (cfg.max_steps and step >= cfg.max_steps) or (cfg.minutes and elapsed >= budget_s):
+            break
+        if not order:
+            order = _batches(lengths, cfg.batch_tokens, gen)
+        idx = order.pop()
+        if not total and step == 8:
+            total = max(16, int(budget_s / (elapsed / 8)))
+        horizon = total or 10**6
+        warm = max(1, horizon // 20)
+        scale = (step + 1) / warm if step < warm else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / horizon)))
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr * scale
+        losses = head_losses(head, [samples[i] for i in idx], [feats[i] for i in idx], rows, cfg.noise, gen)
+        loss = cfg.reg_weight * losses["reg"] + cfg.ce_weight * losses["ce"]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        tokens += sum(lengths[i] for i in idx)
+        last = {k: float(v.detach()) for k, v in losses.items()}
+        if on_step is not None:
+            on_step(step, last)
+    seconds = time.perf_counter() - t0
+    return {"steps": step, "tokens": tokens, "seconds": round(seconds, 1),
+            "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "last": last}
+
+
+@torch.no_grad()
+def evaluate_head(head: PreTrainedModel, samples: Sequence[Sample], feats: Sequence[Tensor], rows: Tensor) -> dict:
+    """Held-out losses and top-1 agreement with the LLM over the draft vocabulary (teacher-forced
+    features: depth 1)."""
+    was = head.training
+    head.eval()
+    out = {"reg": 0.0, "ce": 0.0, "top1": 0.0}
+    n = 0
+    for s, f in zip(samples, feats, strict=True):
+        if len(s.ids) - s.prompt_len < 2:
+            continue
+        losses = head_losses(head, [s], [f], rows, 0.0)
+        for k in out:
+            out[k] += float(losses[k])
+        n += 1
+    head.train(was)
+    return {k: round(v / max(1, n), 4) for k, v in out.items()}

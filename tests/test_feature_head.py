@@ -1,0 +1,148 @@
+"""Feature heads (EAGLE-style drafters that read the LLM's features): exactness, alignment, files, training."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import perturbed, tiny_llama
+
+from boosttune.assemble import engine_from_models
+from boosttune.config import FeatureConfig
+from boosttune.core.feature_head import FC_ATTR, attach_fc, is_feature_dir, is_feature_head, new_fc, save_fc
+from boosttune.serving.builders import TreeConfig
+from boosttune.serving.decode import incremental_generate
+from boosttune.serving.engine import Plan, SpeculativeEngine
+from boosttune.serving.feature_drafter import FeatureDrafter
+from boosttune.serving.runner import ModelRunner
+from boosttune.serving.sampling import SamplingParams
+from boosttune.serving.stops import StopCriteria
+from boosttune.train.distill import Sample
+from boosttune.train.feature import build_head, evaluate_head, head_losses, llm_features, train_head
+
+
+def local_llm(seed):
+    """A one-layer LLM whose attention output is zeroed: its feature at j depends on token j only."""
+    llm = tiny_llama(seed, layers=1)
+    with torch.no_grad():
+        llm.model.layers[0].self_attn.o_proj.weight.zero_()
+    return llm
+
+
+def oracle_head(llm):
+    """For ``local_llm``: a head that reads only the token (fc = [I, 0]) through the LLM's own layer
+    and norm, so pair j's output is exactly the LLM's feature after token j+1 (and a draft node's,
+    after its own token): every draft of a greedy chain is the LLM's own next token."""
+    head = copy.deepcopy(llm)
+    fc = new_fc(llm.config.hidden_size)
+    with torch.no_grad():
+        h = llm.config.hidden_size
+        fc.weight.zero_()
+        fc.weight[:, :h] = torch.eye(h)
+    setattr(head, FC_ATTR, fc)
+    return head.eval()
+
+
+def feature_engine(llm, heads, trees):
+    drafters = {f"f-{i}": FeatureDrafter(ModelRunner(h)) for i, h in enumerate(heads)}
+    return SpeculativeEngine(ModelRunner(llm), drafters, Plan(dict(zip(drafters, trees, strict=True))))
+
+
+def noisy_head(llm, seed, noise=0.1):
+    head = perturbed(llm, seed, noise)
+    torch.manual_seed(seed)
+    fc = new_fc(llm.config.hidden_size)
+    with torch.no_grad():
+        fc.weight.add_(torch.randn_like(fc.weight) * 0.05)
+    setattr(head, FC_ATTR, fc)
+    return head.eval()
+
+
+def test_oracle_head_has_every_draft_accepted():
+    llm = local_llm(1)
+    stop = StopCriteria(max_new_tokens=26)
+    ref = incremental_generate(llm, [5, 6, 7], stop)
+    out = feature_engine(llm, [oracle_head(llm)], [TreeConfig(widths=(1, 1, 1, 1))]).generate([5, 6, 7], stop)
+    assert out.tokens == ref.tokens
+    assert out.accept_lengths[:5] == [5, 5, 5, 5, 5], "pairs misaligned: the oracle head should never miss"
+
+
+def test_one_token_prompt_drafts_after_the_first_step():
+    llm = local_llm(2)
+    stop = StopCriteria(max_new_tokens=11)
+    out = feature_engine(llm, [oracle_head(llm)], [TreeConfig(widths=(1, 1))]).generate([4], stop)
+    assert out.tokens == incremental_generate(llm, [4], stop).tokens
+    assert out.accept_lengths[0] == 1 and max(out.accept_lengths[1:]) == 3
+
+
+@pytest.mark.parametrize("tree", [TreeConfig(widths=(2, 2, 1)), TreeConfig(kind="dynamic", topk=3, depth=4, budget=10)])
+@pytest.mark.parametrize("seed", range(3))
+def test_noisy_heads_merged_with_an_ssm_stay_exact(tree, seed):
+    llm = tiny_llama(seed, layers=2)
+    heads = [noisy_head(llm, seed + 7)]
+    drafters = {"feat": FeatureDrafter(ModelRunner(heads[0]))}
+    from boosttune.serving.drafter import SSMDrafter
+    drafters["ssm"] = SSMDrafter(ModelRunner(perturbed(llm, seed + 3, 0.2)))
+    engine = SpeculativeEngine(ModelRunner(llm), drafters, Plan({"feat": tree, "ssm": TreeConfig(widths=(1, 1))}))
+    prompt = list(range(3, 3 + seed + 2))
+    stop = StopCriteria(max_new_tokens=30)
+    assert engine.generate(prompt, stop).tokens == incremental_generate(llm, prompt, stop).tokens
+
+
+def test_the_drafter_holds_the_llms_features_of_every_committed_position():
+    llm = tiny_llama(4, layers=2)
+    drafter = FeatureDrafter(ModelRunner(noisy_head(llm, 9)))
+    engine = SpeculativeEngine(ModelRunner(llm), {"f": drafter}, Plan({"f": TreeConfig(widths=(2, 1, 1))}))
+    prompt = [3, 9, 4, 11]
+    out = engine.generate(prompt, StopCriteria(max_new_tokens=20))
+    committed = prompt + out.tokens
+    truth = llm.model(input_ids=torch.tensor([committed[:-1]])).last_hidden_state[0]
+    assert drafter._features.shape == truth.shape
+    torch.testing.assert_close(drafter._features, truth.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_sampling_with_a_feature_head_runs_and_stops():
+    llm = tiny_llama(5, layers=1)
+    engine = feature_engine(llm, [noisy_head(llm, 2)], [TreeConfig(widths=(2, 1))])
+    out = engine.generate([3, 4], StopCriteria(max_new_tokens=15), SamplingParams(temperature=0.8, seed=3))
+    assert len(out.tokens) == 15
+
+
+def test_files_round_trip_and_refuse_a_bad_projection(tmp_path):
+    from boosttune.core.models import load_model, tiny_model_dir
+    llm = load_model(str(tiny_model_dir()))
+    head = build_head(llm.model, [-1])
+    head.save_pretrained(tmp_path / "h")
+    llm.tokenizer.save_pretrained(tmp_path / "h")
+    save_fc(head, tmp_path / "h")
+    assert is_feature_dir(tmp_path / "h")
+    back = load_model(str(tmp_path / "h"))
+    assert is_feature_head(back.model) and back.model.config.num_hidden_layers == 1
+    torch.testing.assert_close(getattr(back.model, FC_ATTR).weight, getattr(head, FC_ATTR).weight)
+    engine = engine_from_models(llm.model, {"f": back.model}, TreeConfig(widths=(1, 1)))
+    assert isinstance(engine.drafters["f"], FeatureDrafter)
+    wrong = copy.deepcopy(back.model)
+    setattr(wrong, FC_ATTR, torch.nn.Linear(4, 2, bias=False))
+    save_fc(wrong, tmp_path / "h")
+    with pytest.raises(ValueError, match="feature_fc.safetensors"):
+        attach_fc(copy.deepcopy(back.model), tmp_path / "h")
+
+
+def test_training_lowers_the_losses_on_the_llms_own_text():
+    llm = tiny_llama(6, layers=2, vocab=64)
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for _ in range(12):
+        prompt = torch.randint(2, 64, (4,), generator=g).tolist()
+        out = incremental_generate(llm, prompt, StopCriteria(max_new_tokens=24)).tokens
+        samples.append(Sample(prompt + out, len(prompt)))
+    feats = llm_features(llm, samples)
+    head = build_head(llm, [-1])
+    rows = torch.arange(64)
+    before = evaluate_head(head, samples, feats, rows)
+    stats = train_head(head, samples, feats, rows, FeatureConfig(minutes=0, max_steps=60, batch_tokens=256, lr=3e-3))
+    after = evaluate_head(head, samples, feats, rows)
+    assert stats["steps"] == 60
+    assert after["reg"] < 0.8 * before["reg"] and after["ce"] < before["ce"]
+    assert head_losses(head, samples[:2], feats[:2], rows, 0.0)["top1"] >= 0
