@@ -12,9 +12,9 @@ path handles the first form badly on this CPU. Measured on this machine, SmolLM2
 whole forward (200 cached tokens) from 125.8 to 98.0 ms at T = 2, 124.4 -> 106.9 at T = 4 and
 159.6 -> 123.2 at T = 16, T = 1 unchanged (~74-88 ms; a busy machine, so the figures are noisy).
 
-Which form wins depends on the shape and on R in no simple way (for the 576-wide body layers the
-transposed form wins at R <= 4 and at R = 16 and 32, and loses in between), so :func:`install`
-times both at load time, per distinct (O, I, dtype, bias, threads), and swaps the model's
+Which form wins on one weight in isolation depends on the shape and on R in no simple way (for the
+576-wide body layers the transposed form wins at R <= 4 and at R = 16 and 32, and loses in
+between); with ``auto`` :func:`install` times both at load time, per distinct (O, I, dtype, bias, threads), and swaps the model's
 ``nn.Linear`` modules for :class:`SkinnyLinear`, which uses the transposed form only for the row
 counts where it was measurably faster. Everything else stays ``F.linear``: 1 row, more than
 ``MAX_ROWS`` rows, grad mode on (training and autograd see plain ``nn.Linear`` behaviour), inputs
@@ -28,9 +28,15 @@ a later change of ``torch.get_num_threads()`` recalibrates lazily at the next fe
 The timings use hot caches for the small layers, whereas a real forward streams their weights from
 memory; the choice is a heuristic and never changes results beyond fp32 rounding.
 
-Environment: ``BOOSTTUNE_CPU_LINEAR=0`` turns it off (``install`` leaves the model alone),
-``=1`` uses the transposed form for every R in 2..MAX_ROWS without timing (tests), unset or
-``auto`` calibrates.
+The timed choice proved a poor predictor of whole forwards (helper's bench, quiet machine,
+SmolLM2-135M fp32, 200 cached tokens; ms off / timed / transposed everywhere: T = 2 106.8 / 109.0 /
+75.3, T = 4 121.5 / 81.5 / 80.9, T = 16 170.1 / 153.0 / 139.7), so the default takes the transposed
+form for every fp32 weight at 2..MAX_ROWS rows without timing, and leaves other dtypes (bf16 on
+AMX CPUs, not measured here) to ``F.linear``.
+
+Environment ``BOOSTTUNE_CPU_LINEAR``: unset or ``fp32`` is the default above; ``0`` turns it off
+(``install`` leaves the model alone); ``1`` uses the transposed form for every dtype; ``auto``
+times both forms per shape at load.
 """
 
 from __future__ import annotations
@@ -63,9 +69,10 @@ _CHOICES: dict[_Key, frozenset[int]] = {}  # process-wide: the CPU is too
 def layout_mode() -> str:
     """``"off"``, ``"on"`` or ``"auto"`` from ``BOOSTTUNE_CPU_LINEAR``."""
     value = os.environ.get(ENV_VAR, "").strip().lower()
-    modes = {"0": "off", "1": "on", "": "auto", "auto": "auto"}
+    modes = {"0": "off", "1": "on", "": "fp32", "fp32": "fp32", "auto": "auto"}
     if value not in modes:
-        raise ValueError(f"{ENV_VAR}={value!r}: use 0 (off), 1 (always on) or auto (unset: timed at load)")
+        raise ValueError(f"{ENV_VAR}={value!r}: use 0 (off), 1 (always on), fp32 (the default: fp32 weights "
+                         "only) or auto (timed at load)")
     return modes[value]
 
 
@@ -122,6 +129,8 @@ def transposed_rows(weight: Tensor, bias: Tensor | None = None) -> frozenset[int
     Cached per (O, I, dtype, bias, threads); a miss calibrates on ``weight`` itself.
     """
     mode = layout_mode()
+    if mode == "fp32":
+        return _ALL_ROWS if weight.dtype == torch.float32 else frozenset()
     if mode != "auto":
         return _ALL_ROWS if mode == "on" else frozenset()
     key = (*weight.shape, weight.dtype, bias is not None, torch.get_num_threads())

@@ -77,8 +77,14 @@ def test_env_rejects_unknown_values(monkeypatch):
         cpu_linear.install(_layer(bias=False))
 
 
-def test_calibration_is_bounded_and_cached(monkeypatch):
+def test_default_transposes_fp32_weights_only(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
+    assert cpu_linear.transposed_rows(torch.randn(8, 4)) == frozenset(range(2, MAX_ROWS + 1))
+    assert cpu_linear.transposed_rows(torch.randn(8, 4).bfloat16()) == frozenset()
+
+
+def test_calibration_is_bounded_and_cached(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "auto")
     weight = torch.randn(1536, 576)  # SmolLM2-135M's MLP up-projection
     chosen = cpu_linear.calibrate(weight, budget_s=0.05)
     assert chosen <= frozenset(range(2, MAX_ROWS + 1))
