@@ -28,6 +28,7 @@ from torch import Tensor
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 
 from boosttune.kernels.tree_attention import tree_attention
+from boosttune.serving import cpu_linear
 from boosttune.serving.kv import cache_length, compact_cache, crop_cache
 
 ATTN_NAME = "boosttune_tree"
@@ -101,6 +102,8 @@ class ModelRunner:
     def __init__(self, model: PreTrainedModel, head_ids: Tensor | None = None):
         """``head_ids``: (K,) token ids to compute logits for (the others get -inf); None: all V."""
         self.model = model
+        if self.device.type == "cpu":
+            cpu_linear.install(model)  # few-row GEMMs in the faster layout; idempotent, cached per shape
         self._cache_kw = cache_keyword(model.forward)
         self.cache = DynamicCache(config=model.config)
         self.head_ids: Tensor | None = None
@@ -191,7 +194,7 @@ class ModelRunner:
     def _restricted_logits(self, last: Tensor) -> Tensor:
         """(T, H) last hidden states → (T, V) fp32 logits, -inf outside the draft vocabulary."""
         assert self._head_weight is not None and self.head_ids is not None
-        small = (last @ self._head_weight.T).float()  # (T, K)
+        small = cpu_linear.linear(last, self._head_weight).float()  # (T, K), = last @ W.T
         full = small.new_full((last.shape[0], self._vocab), float("-inf"))
         full[:, self.head_ids] = small
         return full
