@@ -16,10 +16,12 @@ import datetime as dt
 import json
 import platform
 import shutil
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from boosttune.core.files import sha256_file
+from boosttune.core.feature_head import FEATURE_FILE
+from boosttune.core.files import is_complete, sha256_file
 from boosttune.core.rundir import RunDir
 from boosttune.export_common import atomic_dir, check_out, tree_bytes, weight_files
 from boosttune.serving.builders import TreeConfig
@@ -38,7 +40,7 @@ from boosttune.serving.manifest import (
 
 # Per-SSM files carried besides the weights; anything else in an SSM directory (tokenizer files,
 # the completion marker) is either carried once for all or irrelevant to serving.
-_SSM_CONFIG_FILES = ("config.json", "generation_config.json")
+_SSM_CONFIG_FILES = ("config.json", "generation_config.json", FEATURE_FILE)
 _STATS = "stats.json"
 _PROFILE = "acceptance_profile.json"
 
@@ -129,7 +131,7 @@ def _file_table(root: Path) -> dict[str, FileEntry]:
 
 def export_bundle(
     run_dir: str | Path, out: str | Path, force: bool = False, draft_vocab: int | None = None,
-    prompt_lookup: int = 0,
+    prompt_lookup: int = 0, drafters: Sequence[str] | None = None,
 ) -> ExportResult:
     """Write the bundle of a training run.
 
@@ -140,6 +142,8 @@ def export_bundle(
         draft_vocab: the bundle tree's draft vocabulary size (None: the run's tree's; 0: whole).
         prompt_lookup: the bundle's default prompt-lookup chain length (``serving/lookup.py``), used
             when no learned scheduler decides (0: off).
+        drafters: the run's drafters to ship, by name (ssm-K, and ``feature`` for the run's feature
+            head); None: every SSM and the feature head if the run has one.
     """
     from transformers import AutoTokenizer
 
@@ -147,7 +151,13 @@ def export_bundle(
     out = Path(out)
     report = run.read_report()
     stages = {str(run.root / s["ssm_dir"]): s for s in report.get("stages", []) if isinstance(s, dict) and "ssm_dir" in s}
-    ssm_dirs = run.ssm_dirs()
+    ssm_dirs = run.ssm_dirs() + ([run.feature_dir] if is_complete(run.feature_dir) else [])
+    if drafters is not None:
+        known = [d.name for d in ssm_dirs]
+        unknown = [n for n in drafters if n not in known]
+        if unknown or not drafters:
+            raise ValueError(f"--drafters: the run has {known}, got {list(drafters)}")
+        ssm_dirs = [d for d in ssm_dirs if d.name in drafters]
     if not ssm_dirs:
         raise ValueError(f"{run}: no complete SSM under ssms/ (no complete.json); finish `boosttune train` first")
     check_out(out, run, force)

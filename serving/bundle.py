@@ -262,7 +262,11 @@ class LoadedBundle:
 def _load_lm(directory: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
+    from boosttune.core.feature_head import attach_fc, is_feature_dir
+
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, use_safetensors=True)
+    if is_feature_dir(directory):  # a feature head: its projection too
+        attach_fc(model, directory)
     model.eval()
     model.requires_grad_(False)
     return model

@@ -306,3 +306,18 @@ def test_feature_head_trains_after_the_ssms_and_is_evaluated(tiny_run: Path, tmp
     before = digest(run / "ssms")
     ok(train(run, *args))  # finished: nothing retrained
     assert digest(run / "ssms") == before
+
+    from boosttune.assemble import load
+    from boosttune.export import export_bundle
+    from boosttune.serving.decode import incremental_generate
+    from boosttune.serving.feature_drafter import FeatureDrafter
+    from boosttune.serving.stops import StopCriteria
+
+    with pytest.raises(ValueError, match="--drafters"):
+        export_bundle(run, tmp_path / "bad", drafters=["ssm-9"])
+    export_bundle(run, tmp_path / "bundle", drafters=["feature"])
+    served = load(bundle=tmp_path / "bundle")
+    assert list(served.engine.drafters) == ["feature"] and isinstance(served.engine.drafters["feature"], FeatureDrafter)
+    stop = StopCriteria(max_new_tokens=16)
+    out = served.generate([1, 2, 3, 4, 5], stop)
+    assert out.tokens == incremental_generate(served.llm.model, [1, 2, 3, 4, 5], stop).tokens

@@ -26,6 +26,9 @@ def add_commands(sub) -> dict:
                         "per SSM (OUT/ssm-K/, for vLLM, SGLang, transformers assisted generation); gguf: one "
                         "llama.cpp draft model per SSM (OUT/ssm-K.TYPE.gguf, for llama-server --model-draft)")
     e.add_argument("--force", action="store_true", help="replace --out if it exists")
+    e.add_argument("--drafters", default=None, metavar="NAMES",
+                   help="bundle: the run's drafters to ship, comma-separated (ssm-1, ..., feature for the run's "
+                        "feature head); default: all")
     e.add_argument("--draft-vocab", type=int, default=None, metavar="K",
                    help="bundle: SSMs draft over the K tokens the LLM writes most (cheaper drafts; 0: whole "
                         "vocabulary; default: the run's tree)")
@@ -43,6 +46,7 @@ def add_commands(sub) -> dict:
 def _check_flags(args: argparse.Namespace) -> None:
     """Flags of one format given with another: an error naming the flag, before any work."""
     only = {"--draft-vocab": ("bundle", args.draft_vocab), "--prompt-lookup": ("bundle", args.prompt_lookup),
+            "--drafters": ("bundle", args.drafters),
             "--gguf-type": ("gguf", args.gguf_type), "--llm-gguf": ("gguf", args.llm_gguf)}
     for flag, (fmt, value) in only.items():
         if value is not None and args.format != fmt:
@@ -68,7 +72,8 @@ def _export_bundle(args: argparse.Namespace) -> int:
     run = RunDir(args.run_dir)
     if run.prompts_info() is not None:  # runs from before the ranking existed: count it from their teacher outputs
         ensure_draft_ranking(run)
-    res = export_bundle(run, args.out, force=args.force, draft_vocab=args.draft_vocab,
+    drafters = [n.strip() for n in args.drafters.split(",") if n.strip()] if args.drafters else None
+    res = export_bundle(run, args.out, force=args.force, draft_vocab=args.draft_vocab, drafters=drafters,
                         prompt_lookup=args.prompt_lookup or 0)
     m = res.manifest
     print(
