@@ -4,7 +4,9 @@ Shape legend: T committed tokens, N merged tree nodes, V vocabulary, H the LLM's
 
 Glossary (p = the LLM's distribution, q = a drafter's):
 - *drafter*: proposes a token tree for the committed text (``drafter.py``: an SSM; ``lookup.py``:
-  prompt lookup). The engine holds its drafters by name; a drafter keeps its KV cache between the
+  prompt lookup; ``feature_drafter.py``: a feature head, which also reads the LLM's last hidden
+  states: the engine then keeps them from the prefill and every verification forward and hands
+  those of each newly committed position to the drafter's ``observe``). The engine holds its drafters by name; a drafter keeps its KV cache between the
   steps of a request but no configuration: its tree comes with every ``draft`` call.
 - *plan* (``Plan``): the drafters one request drafts with, each with its tree. The engine has a
   default plan; a request may bring its own, or a *planner* chooses one from the LLM's prefill
