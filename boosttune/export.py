@@ -143,7 +143,9 @@ def export_bundle(
         prompt_lookup: the bundle's default prompt-lookup chain length (``serving/lookup.py``), used
             when no learned scheduler decides (0: off).
         drafters: the run's drafters to ship, by name (ssm-K, and ``feature`` for the run's feature
-            head); None: every SSM and the feature head if the run has one.
+            head); None: every SSM, and the feature head if the run has one and no learned scheduler
+            (the scheduler cannot choose feature heads yet; a bundle whose drafters differ from its
+            scheduler's is refused when it loads).
     """
     from transformers import AutoTokenizer
 
@@ -151,7 +153,9 @@ def export_bundle(
     out = Path(out)
     report = run.read_report()
     stages = {str(run.root / s["ssm_dir"]): s for s in report.get("stages", []) if isinstance(s, dict) and "ssm_dir" in s}
-    ssm_dirs = run.ssm_dirs() + ([run.feature_dir] if is_complete(run.feature_dir) else [])
+    ssm_dirs = run.ssm_dirs()
+    if is_complete(run.feature_dir) and (drafters is not None or not run.scheduler_file.is_file()):
+        ssm_dirs.append(run.feature_dir)  # by default only where no learned scheduler (trained without it) plans
     if drafters is not None:
         known = [d.name for d in ssm_dirs]
         unknown = [n for n in drafters if n not in known]
