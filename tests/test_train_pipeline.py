@@ -306,6 +306,9 @@ def test_feature_head_trains_after_the_ssms_and_is_evaluated(tiny_run: Path, tmp
     before = digest(run / "ssms")
     ok(train(run, *args))  # finished: nothing retrained
     assert digest(run / "ssms") == before
+    ok(train(run, *args[:-2], "feature.max_steps=3", "feature.batch_tokens=512"))  # other settings: trained again
+    report = json.loads((run / "report.json").read_text())
+    assert report["feature"]["train"]["steps"] == 3 and report["evaluation"]["feature"]["tau"] >= 1.0
 
     from boosttune.assemble import load
     from boosttune.export import export_bundle

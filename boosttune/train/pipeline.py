@@ -45,7 +45,7 @@ from boosttune.train.teacher import load_teacher, missing_shards, remove_shard_t
 # Fields that may differ when a run is resumed (how it runs, not what it computes).
 _RESUMABLE_CHANGES = ("optim.devices", "optim.num_nodes", "optim.accelerator", "optim.strategy", "optim.logger",
                       "optim.checkpoint_every", "optim.max_minutes", "llm.device", "eval.", "tree.", "scheduler.",
-                      "teacher.endpoint", "teacher.concurrency", "teacher.api_key_env")
+                      "teacher.endpoint", "teacher.concurrency", "teacher.api_key_env", "feature.")
 # Teacher fields that say where and how the continuations are asked for, not what they are.
 _TEACHER_HOW = ("teacher.reuse_from", "teacher.endpoint", "teacher.concurrency", "teacher.api_key_env")
 PROFILE_DEPTHS = 8
@@ -366,16 +366,27 @@ def _publish_model(model, tokenizer, out: Path, marker: dict, stats: dict | None
     tmp.rename(out)
 
 
+def finished_feature(cfg: TrainConfig, run: RunDir) -> dict | None:
+    """The statistics of the run's feature head if it was trained with the ``feature:`` settings of
+    ``cfg`` (None: none yet, or other settings: it is trained again)."""
+    stats_file = run.feature_dir / "stats.json"
+    if not is_complete(run.feature_dir) or not stats_file.is_file():
+        return None
+    stats = json.loads(stats_file.read_text())
+    return stats if stats.get("config") == json.loads(json.dumps(asdict(cfg.feature))) else None
+
+
 def feature_phase(cfg: TrainConfig, run: RunDir, train: list, held: list) -> dict | None:
     """Rank 0 trains the feature head (``feature.enabled``) on every training sample, after the SSMs;
-    returns its statistics (None: disabled, or another rank). A finished head is not trained again;
-    a killed phase starts over (it is minutes long and keeps nothing half-done)."""
+    returns its statistics (None: disabled, or another rank). A head trained with the same settings
+    is not trained again (other settings replace it: a finished run can gain one); a killed phase
+    starts over (it is minutes long and keeps nothing half-done)."""
     if not cfg.feature.enabled or not dist.is_main():
         return None
     out = run.feature_dir
-    stats_file = out / "stats.json"
-    if is_complete(out) and stats_file.is_file():
-        return json.loads(stats_file.read_text())
+    done = finished_feature(cfg, run)
+    if done is not None:
+        return done
     from boosttune.core.feature_head import save_fc
     from boosttune.core.progress import progress
     from boosttune.serving.draft_vocab import head_ids, load_ranking
@@ -396,7 +407,7 @@ def feature_phase(cfg: TrainConfig, run: RunDir, train: list, held: list) -> dic
         stats = train_head(head, train, feats, rows, fc, on_step=lambda step, losses: bar.update(1),
                            seed=cfg.optim.seed)
     after = evaluate_head(head, held, held_feats, rows)
-    summary = {"layers": list(fc.layers), "draft_vocab": fc.draft_vocab, "feature_seconds": round(feature_s, 1),
+    summary = {"config": json.loads(json.dumps(asdict(fc))), "feature_seconds": round(feature_s, 1),
                "train": stats, "held_out_before": before, "held_out": after,
                "samples": len(train), "held_out_samples": len(held)}
     _log(f"feature head: {stats['steps']} steps in {stats['seconds']:.0f} s, held-out top-1 "
@@ -509,7 +520,7 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
         _log(f"stage {k}: pool {s['pool_before']} -> {s['pool_after']}, match {s['match_rate']:.3f}, "
              f"held-out top-1 {s['heldout_top1']:.3f}, ensemble held-out match {s['ensemble_match_rate']:.3f}")
 
-    fresh_feature = cfg.feature.enabled and not is_complete(run.feature_dir)
+    fresh_feature = cfg.feature.enabled and finished_feature(cfg, run) is None
     feature = feature_phase(cfg, run, train_samples, held_samples)
     trained = trained or fresh_feature
     dist.barrier()
