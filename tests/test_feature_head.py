@@ -7,10 +7,19 @@ import copy
 import pytest
 import torch
 from conftest import perturbed, tiny_llama
+from safetensors import safe_open
 
 from boosttune.assemble import engine_from_models
 from boosttune.config import FeatureConfig
-from boosttune.core.feature_head import FC_ATTR, attach_fc, is_feature_dir, is_feature_head, new_fc, save_fc
+from boosttune.core.feature_head import (
+    FC_ATTR,
+    attach_fc,
+    is_feature_dir,
+    is_feature_head,
+    new_fc,
+    save_fc,
+    save_head,
+)
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.engine import Plan, SpeculativeEngine
@@ -113,10 +122,11 @@ def test_files_round_trip_and_refuse_a_bad_projection(tmp_path):
     from boosttune.core.models import load_model, tiny_model_dir
     llm = load_model(str(tiny_model_dir()))
     head = build_head(llm.model, [-1])
-    head.save_pretrained(tmp_path / "h")
+    save_head(head, tmp_path / "h")
     llm.tokenizer.save_pretrained(tmp_path / "h")
-    save_fc(head, tmp_path / "h")
-    assert is_feature_dir(tmp_path / "h")
+    assert is_feature_dir(tmp_path / "h") and hasattr(head, FC_ATTR)
+    with safe_open(str(tmp_path / "h" / "model.safetensors"), "pt") as f:  # the projection lives in its own file only
+        assert not [k for k in f.keys() if FC_ATTR in k]
     back = load_model(str(tmp_path / "h"))
     assert is_feature_head(back.model) and back.model.config.num_hidden_layers == 1
     torch.testing.assert_close(getattr(back.model, FC_ATTR).weight, getattr(head, FC_ATTR).weight)

@@ -70,6 +70,18 @@ def save_fc(model: nn.Module, out: str | Path, meta: dict | None = None) -> None
     (Path(out) / FEATURE_FILE).write_text(json.dumps(marker, indent=1) + "\n")
 
 
+def save_head(model: nn.Module, out: str | Path, meta: dict | None = None) -> None:
+    """``save_pretrained`` the head's body into ``out`` (its weights without the projection, which
+    transformers would not load back), then the projection and the marker (:func:`save_fc`)."""
+    fc = getattr(model, FC_ATTR)
+    delattr(model, FC_ATTR)
+    try:
+        model.save_pretrained(out)
+    finally:
+        setattr(model, FC_ATTR, fc)
+    save_fc(model, out, meta)
+
+
 def attach_fc(model: nn.Module, path: str | Path) -> None:
     """Give a model loaded from ``path`` its projection (``model.feature_fc``), in its dtype and device.
     Raises ValueError naming the file when the folder is not a well-formed feature head."""

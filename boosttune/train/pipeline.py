@@ -18,6 +18,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -353,11 +354,13 @@ def _save_ssm(model, tokenizer, out: Path, summary: dict) -> None:
     _publish_model(model, tokenizer, out, {"stage": summary["stage"]}, stats=summary)
 
 
-def _publish_model(model, tokenizer, out: Path, marker: dict, stats: dict | None = None) -> None:
-    """Save model + tokenizer (+ stats.json) in a temporary sibling, mark it complete, rename it to ``out``."""
+def _publish_model(model, tokenizer, out: Path, marker: dict, stats: dict | None = None,
+                   save: Callable[[Path], None] | None = None) -> None:
+    """Save model + tokenizer (+ stats.json) in a temporary sibling, mark it complete, rename it to
+    ``out``; ``save`` writes the model (default ``model.save_pretrained``)."""
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    (save or model.save_pretrained)(tmp)
     tokenizer.save_pretrained(tmp)
     if stats is not None:
         atomic_write_json(tmp / "stats.json", stats)
@@ -387,7 +390,7 @@ def feature_phase(cfg: TrainConfig, run: RunDir, train: list, held: list) -> dic
     done = finished_feature(cfg, run)
     if done is not None:
         return done
-    from boosttune.core.feature_head import save_fc
+    from boosttune.core.feature_head import save_head
     from boosttune.core.progress import progress
     from boosttune.serving.draft_vocab import head_ids, load_ranking
     from boosttune.train.feature import build_head, evaluate_head, llm_features, train_head
@@ -414,15 +417,9 @@ def feature_phase(cfg: TrainConfig, run: RunDir, train: list, held: list) -> dic
          f"{before['top1']:.3f} -> {after['top1']:.3f} (features {feature_s:.0f} s)")
     head = head.to(torch.float32).eval()
     head.config.use_cache = True
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    head.save_pretrained(tmp)
-    llm.tokenizer.save_pretrained(tmp)
-    save_fc(head, tmp, {"layers": list(fc.layers), "draft_vocab": fc.draft_vocab})
-    atomic_write_json(tmp / "stats.json", summary)
-    mark_complete(tmp, {"feature": True})
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    meta = {"layers": list(fc.layers), "draft_vocab": fc.draft_vocab}
+    _publish_model(head, llm.tokenizer, out, {"feature": True}, stats=summary,
+                   save=lambda tmp: save_head(head, tmp, meta))
     return summary
 
 
