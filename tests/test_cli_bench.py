@@ -151,3 +151,34 @@ def test_llama_cpp_flags_fail_before_any_model_loads(tiny_dirs, tmp_path, capsys
                   "--llama-draft-max", "0")
     assert "--llama-draft-max" in err
     assert "unknown" in refused("--methods", "baseline,llama_cpp")
+
+
+def _bench_trees():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_trees.py"
+    spec = importlib.util.spec_from_file_location("bench_trees", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_trees_script_prints_every_shape_identical_to_plain(tiny_dirs, capsys):
+    bench_trees = _bench_trees()
+    rc = bench_trees.main([
+        "--llm", str(tiny_dirs / "llm"), "--ssm", str(tiny_dirs / "ssm"), "--questions", str(MT_BENCH),
+        "--limit", "2", "--max-new-tokens", "10", "w1=1", "w21L=2,1:4", "L=lookup:4",
+    ])
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = [line for line in out.splitlines() if line.startswith("| w1 ") or line.startswith("| w21L ")
+            or line.startswith("| L ")]
+    assert len(rows) == 3 and all(row.endswith("| 2/2 |") for row in rows), out
+    assert "2,1 + lookup 4" in out
+
+
+@pytest.mark.parametrize("bad", ["w1", "=1", "w=a,b", "w=lookup"])
+def test_bench_trees_refuses_a_malformed_shape(bad):
+    with pytest.raises(ValueError, match="shape"):
+        _bench_trees().parse_shape(bad)

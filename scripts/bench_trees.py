@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Choose a tree shape by measurement: plain decoding and several tree shapes of the same drafters,
+interleaved question by question in one process, so that load from other jobs hits all alike.
+
+Each shape is ``NAME=WIDTHS`` or ``NAME=WIDTHS:LOOKUP`` (expansion widths; LOOKUP > 0 merges prompt
+lookup with up to that many tokens; ``NAME=lookup:N`` is prompt lookup alone). Every shape uses all
+``--ssm`` drafters (SSMs or feature heads). Prints a markdown table: tokens/s, speed-up over plain
+decoding, τ (tokens per LLM forward after the prefill, as `boosttune bench` counts it) and how many answers equal plain decoding's
+(greedy: all of them must).
+
+Usage:
+    python scripts/bench_trees.py --ssm runs/hour/ssms/feature --draft-vocab 8192 --draft-ranking runs/hour \\
+        --questions ../shared/data/mt_bench/question.jsonl --limit 10 w1=1 w3=3 w21=2,1 w3L=3:8 L=lookup:8
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from boosttune.assemble import engine_from_models
+from boosttune.core.models import eos_token_ids, load_llm_and_ssms
+from boosttune.core.prompts import encode_prompt, read_prompts
+from boosttune.serving.builders import TreeConfig
+from boosttune.serving.decode import incremental_generate
+from boosttune.serving.draft_vocab import ranking_for
+from boosttune.serving.stops import StopCriteria
+
+
+def parse_shape(text: str) -> tuple[str, tuple[int, ...], int]:
+    """``NAME=1,2`` / ``NAME=1,2:8`` / ``NAME=lookup:8`` → (name, widths (empty: no drafters), lookup)."""
+    name, sep, spec = text.partition("=")
+    if not sep or not name:
+        raise ValueError(f"shape {text!r}: expected NAME=WIDTHS[:LOOKUP] or NAME=lookup:N, e.g. w3=3 or w3L=3:8")
+    widths, _, lookup = spec.partition(":")
+    try:
+        look = int(lookup) if lookup else 0
+        shape = () if widths == "lookup" else tuple(int(w) for w in widths.split(","))
+    except ValueError:
+        raise ValueError(f"shape {text!r}: widths and lookup must be integers") from None
+    if not shape and not look:
+        raise ValueError(f"shape {text!r}: prompt lookup alone needs a length, e.g. {name}=lookup:8")
+    return name, shape, look
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("shapes", nargs="+", help="NAME=WIDTHS[:LOOKUP] or NAME=lookup:N")
+    p.add_argument("--llm", default="default")
+    p.add_argument("--ssm", action="append", default=[], help="a drafter (SSM or feature head); repeat for several")
+    p.add_argument("--draft-vocab", type=int, default=0)
+    p.add_argument("--draft-ranking", default=None, help="draft_vocab.json or its run (default: next to the first --ssm)")
+    p.add_argument("--questions", required=True)
+    p.add_argument("--limit", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = p.parse_args(argv)
+    try:
+        shapes = [parse_shape(s) for s in args.shapes]
+    except ValueError as e:
+        p.error(str(e))
+    if any(widths for _, widths, _ in shapes) and not args.ssm:
+        p.error("shapes with widths need at least one --ssm")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ranking = ranking_for(args.draft_vocab, args.draft_ranking, args.ssm)
+    llm, ssms = load_llm_and_ssms(args.llm, args.ssm, torch.float32)
+    named = {f"ssm-{k}": s.model for k, s in enumerate(ssms, 1)}
+    engines = {
+        name: engine_from_models(llm.model, named if widths else {},
+                                 TreeConfig(widths=widths or (1,), draft_vocab=args.draft_vocab), ranking, look)
+        for name, widths, look in shapes
+    }
+    prompts = read_prompts(args.questions)[: args.limit or None]
+    encoded = [encode_prompt(llm.tokenizer, q, chat=True) for q in prompts]
+    eos = eos_token_ids(llm)
+    stop = StopCriteria(max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
+    warm = StopCriteria(max_new_tokens=8, eos_token_ids=eos)
+    incremental_generate(llm.model, encoded[0], warm)  # first calls pay for lazy initialisation
+    for engine in engines.values():
+        engine.generate(encoded[0], warm)
+    names = ["plain", *engines]
+    seconds, tokens, steps, same = (dict.fromkeys(names, 0.0) for _ in range(4))
+    for i, ids in enumerate(encoded, 1):
+        base = incremental_generate(llm.model, ids, stop)
+        seconds["plain"] += base.wall_time
+        tokens["plain"] += len(base.tokens)
+        for name, engine in engines.items():
+            res = engine.generate(ids, stop)
+            seconds[name] += res.wall_time
+            tokens[name] += len(res.tokens)
+            steps[name] += len(res.accept_lengths)
+            same[name] += res.tokens == base.tokens
+        print(f"question {i}/{len(encoded)} done", file=sys.stderr, flush=True)
+    plain_tps = tokens["plain"] / seconds["plain"]
+    print(f"{len(encoded)} questions, {args.max_new_tokens} new tokens, fp32, drafters: {', '.join(args.ssm) or 'none'}")
+    print("| shape | tok/s | speed-up | τ | = plain |\n|---|---|---|---|---|")
+    print(f"| plain | {plain_tps:.2f} | 1.00× | 1.00 | |")
+    for name, widths, look in shapes:
+        tps = tokens[name] / seconds[name]
+        tau = tokens[name] / steps[name] if steps[name] else float("nan")  # as `boosttune bench` counts it
+        label = f"{name} ({','.join(map(str, widths)) or '-'}{f' + lookup {look}' if look else ''})"
+        print(f"| {label} | {tps:.2f} | {tps / plain_tps:.2f}× | {tau:.2f} | {int(same[name])}/{len(encoded)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
