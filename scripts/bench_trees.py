@@ -21,6 +21,7 @@ import sys
 import torch
 
 from boosttune.assemble import engine_from_models
+from boosttune.cli.flags import int_list
 from boosttune.core.models import eos_token_ids, load_llm_and_ssms
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.serving.builders import TreeConfig
@@ -37,8 +38,8 @@ def parse_shape(text: str) -> tuple[str, tuple[int, ...], int]:
     widths, _, lookup = spec.partition(":")
     try:
         look = int(lookup) if lookup else 0
-        shape = () if widths == "lookup" else tuple(int(w) for w in widths.split(","))
-    except ValueError:
+        shape = () if widths == "lookup" else int_list(widths)
+    except (ValueError, argparse.ArgumentTypeError):
         raise ValueError(f"shape {text!r}: widths and lookup must be integers") from None
     if not shape and not look:
         raise ValueError(f"shape {text!r}: prompt lookup alone needs a length, e.g. {name}=lookup:8")
@@ -67,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     ranking = ranking_for(args.draft_vocab, args.draft_ranking, args.ssm)
     llm, ssms = load_llm_and_ssms(args.llm, args.ssm, torch.float32)
-    named = {f"ssm-{k}": s.model for k, s in enumerate(ssms, 1)}
+    drafters = [s.model for s in ssms]  # named ssm-1 .. as runs and bundles name them
     engines = {
-        name: engine_from_models(llm.model, named if widths else {},
+        name: engine_from_models(llm.model, drafters if widths else [],
                                  TreeConfig(widths=widths or (1,), draft_vocab=args.draft_vocab), ranking, look)
         for name, widths, look in shapes
     }
