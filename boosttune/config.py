@@ -91,9 +91,9 @@ class TeacherConfig:
     topk_logprobs: int = 0
     """Keep the LLM's top-k log-probs per position for a KL/TV loss (0 = off)."""
     backend: str = "auto"
-    """'batched' (greedy only: boosttune's own batched decoder, boosttune/train/batched_decode.py),
-    'hf' (transformers ``generate``; needed for sampling teachers), 'auto' (batched when greedy and
-    the LLM's attention is plain full causal attention, else hf), or 'openai' (an OpenAI-compatible
+    """'batched' (boosttune's own batched decoder, boosttune/train/batched_decode.py: greedy or
+    sampled; plain full causal attention only), 'hf' (transformers ``generate``), 'auto' (batched
+    where the LLM's attention allows it, else hf), or 'openai' (an OpenAI-compatible
     completions server, e.g. vLLM, SGLang, llama-server or `boosttune serve`, at ``endpoint``)."""
     endpoint: str = ""
     """openai backend: the server's base URL, e.g. http://127.0.0.1:8000/v1 (required for openai)."""
@@ -543,8 +543,6 @@ def validate(cfg: TrainConfig) -> None:
     _check(0 < cfg.teacher.top_p <= 1, "teacher.top_p", "must be in (0, 1]")
     _check(cfg.teacher.topk_logprobs >= 0, "teacher.topk_logprobs", "must be >= 0")
     _check(cfg.teacher.backend in TEACHER_BACKENDS, "teacher.backend", f"must be one of {', '.join(TEACHER_BACKENDS)}")
-    _check(cfg.teacher.backend != "batched" or cfg.teacher.temperature == 0, "teacher.backend",
-           "the batched backend is greedy only: set teacher.temperature=0 or teacher.backend=hf")
     _check_openai_teacher(cfg.teacher)
     for name in ("teacher_dtype", "eval_dtype"):
         _check(getattr(cfg.llm, name) in ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16", "auto"),

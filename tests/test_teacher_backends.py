@@ -1,8 +1,10 @@
-"""The teacher's batched greedy decoder writes what HF ``generate`` writes, prompt by prompt.
+"""The teacher's batched decoder writes what HF ``generate`` writes, prompt by prompt.
 
-Reference: HF ``generate`` on each prompt alone (no padding), greedy, fp32, cut after the first EOS.
+Greedy reference: HF ``generate`` on each prompt alone (no padding), fp32, cut after the first EOS.
 The batched decoder runs all prompts at once (left padding, finished rows compacted away) and must
-give the same tokens, the same top-k token ids and the same log-probabilities.
+give the same tokens, the same top-k token ids and the same log-probabilities. Sampled: each token
+drawn from the distribution HF's temperature and top-p warpers leave (chi-square, with a control
+that the test rejects).
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_llama
+from scipy.stats import chisquare
 from transformers import MistralConfig, MistralForCausalLM
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from boosttune.config import ConfigError, load_config
 from boosttune.train import batched_decode
@@ -63,9 +67,57 @@ def test_batched_decoder_compacts_finished_rows_without_changing_others() -> Non
     model = tiny_llama(3, init=0.1)
     prompts = _prompts()
     eos = _eos_that_ends_some_rows_early(model, prompts)
-    every_step, _, _ = batched_decode.greedy_batch(model, prompts, MAX_NEW, eos, 0, compact_every=1)
-    never, _, _ = batched_decode.greedy_batch(model, prompts, MAX_NEW, eos, 0, compact_every=10_000)
+    every_step, _, _ = batched_decode.decode_batch(model, prompts, MAX_NEW, eos, 0, compact_every=1)
+    never, _, _ = batched_decode.decode_batch(model, prompts, MAX_NEW, eos, 0, compact_every=10_000)
     assert every_step == never
+    repeated, _, _ = batched_decode.decode_batch(model, prompts + prompts[::2], MAX_NEW, eos, 0)  # read once each
+    assert repeated == never + never[::2]
+
+
+def _hf_warped(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """(V,) the distribution HF's sampling draws from after its temperature and top-p warpers."""
+    scores = TopPLogitsWarper(top_p)(None, TemperatureLogitsWarper(temperature)(None, logits[None].clone()))
+    return torch.softmax(scores[0], -1)
+
+
+def _pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square p-value of ``counts`` under ``probs`` (tokens expected < 5 times pooled in one bin)."""
+    exp = probs * counts.sum()
+    small = exp < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]]).double()
+    e = torch.cat([exp[~small], exp[small].sum()[None]]).double()
+    keep = e > 0
+    return float(chisquare(obs[keep].numpy(), (e[keep] * obs[keep].sum() / e[keep].sum()).numpy()).pvalue)
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(0.8, 0.9), (1.0, 1.0), (1.3, 0.5)])
+def test_sampled_tokens_follow_hfs_warped_distribution(temperature: float, top_p: float) -> None:
+    logits = torch.randn(40, generator=torch.Generator().manual_seed(2)) * 2.0
+    n = 20_000
+    got = batched_decode.pick_tokens(logits.expand(n, -1), temperature, top_p, torch.Generator().manual_seed(0))
+    counts = torch.bincount(got, minlength=40).float()
+    want = _hf_warped(logits, temperature, top_p)
+    assert counts[want == 0].sum() == 0, "a token outside the nucleus was drawn"
+    assert _pvalue(counts, want) > 1e-3
+    control = _hf_warped(logits, temperature * 1.15, min(1.0, top_p + 0.1))  # a slightly different warp
+    assert _pvalue(counts, control) < 1e-6, "the test cannot tell a different distribution apart"
+
+
+def test_the_batched_decoder_samples_the_models_next_token_and_is_seeded() -> None:
+    model = tiny_llama(4, init=0.1)
+    prompt, n = [5, 9, 14, 3], 3000
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1].float()
+    outs, _, _ = batched_decode.decode_batch(model, [prompt] * n, 1, frozenset({1}), 0, temperature=0.7, top_p=0.9,
+                                             generator=torch.Generator().manual_seed(1))
+    counts = torch.bincount(torch.tensor([o[0] for o in outs]), minlength=logits.numel()).float()
+    assert _pvalue(counts, _hf_warped(logits, 0.7, 0.9)) > 1e-3
+    assert _pvalue(counts, _hf_warped(logits, 1.0, 1.0)) < 1e-6  # control: the unwarped distribution
+    again = [batched_decode.decode_batch(model, _prompts(), 8, frozenset(), 0, temperature=1.0,
+                                         generator=torch.Generator().manual_seed(3))[0] for _ in range(2)]
+    assert again[0] == again[1]
+    greedy = batched_decode.decode_batch(model, _prompts(), 8, frozenset(), 0)[0]
+    assert again[0] != greedy
 
 
 def _sliding_window_model():
@@ -78,14 +130,13 @@ def test_auto_backend_falls_back_to_hf_where_the_batched_decoder_cannot_run() ->
     cfg = load_config(None).teacher
     assert resolve_backend(cfg, tiny_llama(0)) == "batched"
     assert resolve_backend(cfg, _sliding_window_model()) == "hf"
-    cfg.temperature = 0.7
-    assert resolve_backend(cfg, tiny_llama(0)) == "hf"
+    cfg.temperature = 0.7  # sampling teachers too
+    assert resolve_backend(cfg, tiny_llama(0)) == "batched"
     with pytest.raises(ValueError, match="sliding-window"):
         generate_batch(_sliding_window_model(), [[2, 3]], 2, 0.0, 1.0, 0, frozenset({1}), backend="batched")
 
 
-def test_a_sampling_teacher_cannot_ask_for_the_batched_backend() -> None:
-    with pytest.raises(ConfigError, match="teacher.backend"):
-        load_config(None, ["teacher.backend=batched", "teacher.temperature=0.7"])
+def test_an_unknown_backend_is_refused() -> None:
+    assert load_config(None, ["teacher.backend=batched", "teacher.temperature=0.7"]).teacher.backend == "batched"
     with pytest.raises(ConfigError, match="teacher.backend"):
         load_config(None, ["teacher.backend=vllm"])

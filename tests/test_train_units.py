@@ -217,3 +217,21 @@ def test_derived_ssm_copies_llm_layers_and_projects_embeddings() -> None:
     assert narrow.config.hidden_size == 16 and narrow(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 64)
     with pytest.raises(ValueError, match="ssm.layers: the LLM has 3 layers"):
         derive_ssm(llm, SSMInitConfig(layers=[5]))
+
+
+# ------------------------------------------------------------------------------------------ grow
+@pytest.mark.parametrize("backend", ["batched", "hf"])
+def test_grown_requests_are_new_sampled_and_reproducible(backend: str) -> None:
+    from boosttune.core.models import eos_token_ids, load_model
+    from boosttune.train.grow import grow_prompts
+
+    llm = load_model("tiny-random")
+    seeds = default_seeds()[:6]  # each picked several times: its ask is read once per batch
+    grow = lambda seed: grow_prompts(llm.model, llm.tokenizer, seeds, 24, frozenset(eos_token_ids(llm)), seed=seed,
+                                     batch_size=16, max_new_tokens=12, backend=backend)
+    first = grow(0)
+    texts = [p.text for p in first]
+    assert 12 <= len(first) <= 24 and len(set(texts)) == len(texts)  # sampled: few repeats, and those dropped
+    assert not set(texts) & {s.text for s in seeds}
+    assert {p.category for p in first} <= {s.category for s in seeds}
+    assert [p.text for p in grow(0)] == texts and [p.text for p in grow(1)] != texts

@@ -13,6 +13,7 @@ import torch
 
 from boosttune.core.progress import progress
 from boosttune.core.prompts import Prompt, encode_prompt
+from boosttune.train import batched_decode
 from boosttune.train.teacher import generate_batch
 
 _ASK = ("Here is an example of a {category} request someone might give an AI assistant:\n\n{seed}\n\n"
@@ -28,10 +29,14 @@ def _clean(text: str) -> str:
 
 
 def grow_prompts(model, tokenizer, seeds: list[Prompt], n: int, eos_ids: frozenset[int], seed: int = 0,
-                 batch_size: int = 32, max_new_tokens: int = 48) -> list[Prompt]:
-    """Up to ``n`` new requests written by the LLM (fewer if it repeats itself)."""
+                 batch_size: int = 32, max_new_tokens: int = 48, backend: str = "auto") -> list[Prompt]:
+    """Up to ``n`` new requests written by the LLM (fewer if it repeats itself), sampled by
+    ``backend`` ('batched', 'hf', or 'auto': batched where the LLM's attention allows it)."""
+    if backend == "auto":
+        backend = "batched" if batched_decode.unsupported_reason(model) is None else "hf"
     rng = random.Random(seed)
-    picks = [seeds[rng.randrange(len(seeds))] for _ in range(n)]
+    # a seed's asks side by side: the batched decoder reads each distinct ask once per batch
+    picks = [seeds[i] for i in sorted(rng.randrange(len(seeds)) for _ in range(n))]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
     seen = {s.text.strip().lower() for s in seeds}
     out: list[Prompt] = []
@@ -39,7 +44,7 @@ def grow_prompts(model, tokenizer, seeds: list[Prompt], n: int, eos_ids: frozens
     for b in progress(range(0, n, batch_size), desc="grow prompts", unit="batch"):
         batch = picks[b:b + batch_size]
         asks = [encode_prompt(tokenizer, _ASK.format(category=p.category, seed=p.text)) for p in batch]
-        conts = generate_batch(model, asks, max_new_tokens, 0.8, 0.95, pad, eos_ids)
+        conts = generate_batch(model, asks, max_new_tokens, 0.8, 0.95, pad, eos_ids, backend=backend)
         for p, c in zip(batch, conts, strict=True):
             text = _clean(tokenizer.decode(c.output_ids, skip_special_tokens=True))
             if len(text) >= 12 and text.lower() not in seen:

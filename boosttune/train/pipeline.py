@@ -173,7 +173,8 @@ def build_prompts(cfg: TrainConfig, run: RunDir, llm) -> dict:
 
         llm.model.config._attn_implementation = cfg.teacher.attn_implementation
         new = grow_prompts(llm.model, llm.tokenizer, default_seeds(), cfg.prompts.grow, eos_token_ids(llm),
-                           seed=cfg.prompts.shuffle_seed, batch_size=cfg.teacher.batch_size)
+                           seed=cfg.prompts.shuffle_seed, batch_size=cfg.teacher.batch_size,
+                           backend=cfg.teacher.backend if cfg.teacher.backend in ("batched", "hf") else "auto")
         from boosttune.core.prompts import encode_prompt
 
         for p in new:

@@ -83,7 +83,7 @@ def resolve_backend(cfg: TeacherConfig, model) -> str:
     """'batched', 'hf' or 'openai': what ``cfg.backend`` means for this model ('auto': batched when it can)."""
     if cfg.backend != "auto":
         return cfg.backend
-    return "batched" if cfg.temperature == 0 and batched_decode.unsupported_reason(model) is None else "hf"
+    return "batched" if batched_decode.unsupported_reason(model) is None else "hf"
 
 
 def generate_batch(
@@ -92,10 +92,9 @@ def generate_batch(
 ) -> list[Continuation]:
     """The LLM's continuations of a batch of prompts, by ``backend`` ('hf' or 'batched')."""
     if backend == "batched":
-        if temperature > 0:
-            raise ValueError("the batched teacher backend is greedy only (temperature 0)")
-        outs, top_ids, top_lps = batched_decode.greedy_batch(model, prompts, max_new_tokens, eos_ids, pad_id, topk)
-        # greedy_batch stops each row at its first EOS: cut_at_eos only names the finish
+        outs, top_ids, top_lps = batched_decode.decode_batch(model, prompts, max_new_tokens, eos_ids, pad_id, topk,
+                                                             temperature=temperature, top_p=top_p)
+        # decode_batch stops each row at its first EOS: cut_at_eos only names the finish
         return [Continuation(*cut_at_eos(o, eos_ids), top_ids[r] if topk else None, top_lps[r] if topk else None)
                 for r, o in enumerate(outs)]
     return _hf_generate(model, prompts, max_new_tokens, temperature, top_p, pad_id, eos_ids, topk)
