@@ -9,6 +9,8 @@ that the test rejects).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import tiny_llama
@@ -67,11 +69,19 @@ def test_batched_decoder_compacts_finished_rows_without_changing_others() -> Non
     model = tiny_llama(3, init=0.1)
     prompts = _prompts()
     eos = _eos_that_ends_some_rows_early(model, prompts)
-    every_step, _, _ = batched_decode.decode_batch(model, prompts, MAX_NEW, eos, 0, compact_every=1)
-    never, _, _ = batched_decode.decode_batch(model, prompts, MAX_NEW, eos, 0, compact_every=10_000)
-    assert every_step == never
-    repeated, _, _ = batched_decode.decode_batch(model, prompts + prompts[::2], MAX_NEW, eos, 0)  # read once each
-    assert repeated == never + never[::2]
+    every_step = batched_decode.decode_batch(model, prompts, MAX_NEW, eos, 0, compact_every=1, features=True)
+    never = batched_decode.decode_batch(model, prompts, MAX_NEW, eos, 0, compact_every=10_000, features=True)
+    assert every_step.tokens == never.tokens
+    repeated = batched_decode.decode_batch(model, prompts + prompts[::2], MAX_NEW, eos, 0)  # read once each
+    assert repeated.tokens == never.tokens + never.tokens[::2]
+    # the features it kept are the LLM's own last hidden states over prompt + output (all but the last token)
+    for p, out, a, b in zip(prompts, never.tokens, every_step.features, never.features, strict=True):
+        ids = torch.tensor([(p + out)[:-1]])
+        with torch.no_grad():
+            want = model.model(input_ids=ids).last_hidden_state[0]
+        assert a.dtype == torch.float16 and a.shape == want.shape == b.shape
+        torch.testing.assert_close(a.float(), want, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(b.float(), want, atol=2e-3, rtol=2e-3)
 
 
 def _hf_warped(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -108,15 +118,15 @@ def test_the_batched_decoder_samples_the_models_next_token_and_is_seeded() -> No
     prompt, n = [5, 9, 14, 3], 3000
     with torch.no_grad():
         logits = model(torch.tensor([prompt])).logits[0, -1].float()
-    outs, _, _ = batched_decode.decode_batch(model, [prompt] * n, 1, frozenset({1}), 0, temperature=0.7, top_p=0.9,
-                                             generator=torch.Generator().manual_seed(1))
+    outs = batched_decode.decode_batch(model, [prompt] * n, 1, frozenset({1}), 0, temperature=0.7, top_p=0.9,
+                                       generator=torch.Generator().manual_seed(1)).tokens
     counts = torch.bincount(torch.tensor([o[0] for o in outs]), minlength=logits.numel()).float()
     assert _pvalue(counts, _hf_warped(logits, 0.7, 0.9)) > 1e-3
     assert _pvalue(counts, _hf_warped(logits, 1.0, 1.0)) < 1e-6  # control: the unwarped distribution
     again = [batched_decode.decode_batch(model, _prompts(), 8, frozenset(), 0, temperature=1.0,
-                                         generator=torch.Generator().manual_seed(3))[0] for _ in range(2)]
+                                         generator=torch.Generator().manual_seed(3)).tokens for _ in range(2)]
     assert again[0] == again[1]
-    greedy = batched_decode.decode_batch(model, _prompts(), 8, frozenset(), 0)[0]
+    greedy = batched_decode.decode_batch(model, _prompts(), 8, frozenset(), 0).tokens
     assert again[0] != greedy
 
 
@@ -140,3 +150,30 @@ def test_an_unknown_backend_is_refused() -> None:
     assert load_config(None, ["teacher.backend=batched", "teacher.temperature=0.7"]).teacher.backend == "batched"
     with pytest.raises(ConfigError, match="teacher.backend"):
         load_config(None, ["teacher.backend=vllm"])
+
+
+def test_the_teacher_keeps_the_llms_features_beside_its_shards(tmp_path) -> None:
+    from boosttune.config import TeacherConfig
+    from boosttune.core.rundir import RunDir
+    from boosttune.train.distill import samples_from_teacher
+    from boosttune.train.pipeline import _recorded_features
+    from boosttune.train.sources import TrainPrompt
+    from boosttune.train.teacher import features_path, load_features, load_teacher, run_teacher
+
+    model, run = tiny_llama(2, init=0.1), RunDir(tmp_path / "run")
+    prompts = [TrainPrompt(id=f"p{i}", source="t", category="c", chat=False, input_ids=p) for i, p in enumerate(_prompts())]
+    cfg = TeacherConfig(max_new_tokens=10, batch_size=4, shard_size=4)
+    stats = run_teacher(model, SimpleNamespace(pad_token_id=0), prompts, cfg, run, frozenset({1}), features=True)
+    assert stats["backend"] == "batched" and features_path(run.teacher_shard(1)).is_file()
+    samples = samples_from_teacher(load_teacher(run, len(prompts), 4), range(len(prompts)))
+    feats = load_features(run, range(len(prompts)), 4)
+    for s, f in zip(samples, feats, strict=True):
+        with torch.no_grad():
+            want = model.model(input_ids=torch.tensor([s.ids[:-1]])).last_hidden_state[0]
+        torch.testing.assert_close(f.float(), want, atol=2e-3, rtol=2e-3)
+    features_path(run.teacher_shard(1)).unlink()  # shard 1 (prompts 4, 5) written without features
+    assert load_features(run, [3, 4], 4)[1] is None
+
+    kept, got, n = _recorded_features(run, SimpleNamespace(teacher=cfg), samples[2:], 2)
+    assert n == 2 and got[2] is None and got[3] is None
+    assert kept[0].ids == samples[2].ids[:-1] and kept[2].ids == samples[4].ids  # recorded: the unfed last token goes

@@ -287,14 +287,15 @@ def test_kl_loss_with_lora(tmp_path: Path) -> None:
     assert not (run / "ssms" / "ssm-1" / "adapter_config.json").exists()
 
 
-def test_feature_head_trains_after_the_ssms_and_is_evaluated(tiny_run: Path, tmp_path: Path) -> None:
+def test_feature_head_trains_after_the_ssms_and_is_evaluated(tmp_path: Path) -> None:
     run = tmp_path / "feature"
-    args = (f"teacher.reuse_from={tiny_run}", "boost.num_ssms=1", "feature.enabled=true", "feature.minutes=0",
-            "feature.max_steps=4", "feature.batch_tokens=512")
+    args = ("boost.num_ssms=1", "feature.enabled=true", "feature.minutes=0", "feature.max_steps=4",
+            "feature.batch_tokens=512")
     ok(train(run, *args))
     report = json.loads((run / "report.json").read_text())
     feature = report["feature"]
     assert feature["train"]["steps"] == 4 and feature["samples"] == 48 and feature["held_out_samples"] == 12
+    assert feature["recorded_by_teacher"] == 60  # the teacher kept the features: no second pass
     assert set(feature["held_out"]) == {"reg", "ce", "top1"}
     from boosttune.core.feature_head import is_feature_head
     from boosttune.core.models import load_model

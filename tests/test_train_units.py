@@ -227,8 +227,11 @@ def test_grown_requests_are_new_sampled_and_reproducible(backend: str) -> None:
 
     llm = load_model("tiny-random")
     seeds = default_seeds()[:6]  # each picked several times: its ask is read once per batch
-    grow = lambda seed: grow_prompts(llm.model, llm.tokenizer, seeds, 24, frozenset(eos_token_ids(llm)), seed=seed,
-                                     batch_size=16, max_new_tokens=12, backend=backend)
+
+    def grow(seed: int) -> list:
+        return grow_prompts(llm.model, llm.tokenizer, seeds, 24, frozenset(eos_token_ids(llm)), seed=seed,
+                            batch_size=16, max_new_tokens=12, backend=backend)
+
     first = grow(0)
     texts = [p.text for p in first]
     assert 12 <= len(first) <= 24 and len(set(texts)) == len(texts)  # sampled: few repeats, and those dropped

@@ -8,7 +8,11 @@ stepping rows that already ended. This decoder instead
 - preallocates the whole cache (``prompt + max_new_tokens`` positions) and writes each step in place;
 - keeps keys transposed, (B, G, C, S), so a decode step's attention is two batched matrix products
   that read the cache where it lies, grouped-query heads folded into rows instead of repeated;
-- drops finished rows from the batch every ``compact_every`` steps.
+- drops finished rows from the batch every ``compact_every`` steps;
+- reads a prompt that several rows share once;
+- can keep the LLM's last hidden state (its *feature*, after the final norm) at every position it
+  read, prompt and continuation, which is what a feature head trains on (``boosttune/train/feature.py``):
+  writing the continuation computes them all anyway.
 
 It calls the model's own decoder layers (rotary embeddings, norms, MLPs) through a registered
 attention function, so it is the LLM's computation: on CPU in fp32 its greedy tokens equal HF
@@ -30,6 +34,16 @@ from torch import Tensor
 from transformers import AttentionInterface
 
 ATTENTION = "boosttune_batched_teacher"
+
+
+@dataclass
+class Decoded:
+    """What :func:`decode_batch` wrote, per prompt (in the order given)."""
+
+    tokens: list[list[int]]
+    topk_ids: list[list[list[int]]] | None = None  # with topk: per output position
+    topk_logprobs: list[list[list[float]]] | None = None
+    features: list[Tensor] | None = None  # with features: (len(prompt) + len(tokens) - 1, H) fp16, on CPU
 
 
 @dataclass
@@ -130,12 +144,14 @@ def pick_tokens(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0,
 def decode_batch(
     model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: frozenset[int], pad_id: int,
     topk: int = 0, compact_every: int = 16, temperature: float = 0.0, top_p: float = 1.0,
-    generator: torch.Generator | None = None,
-) -> tuple[list[list[int]], list[list[list[int]]] | None, list[list[list[float]]] | None]:
+    generator: torch.Generator | None = None, features: bool = False,
+) -> Decoded:
     """Continuations of ``prompts`` (each cut after its first EOS): greedy at ``temperature`` 0, else
     sampled (:func:`pick_tokens`; ``generator``: the random stream, default torch's global one); with
     ``topk`` the LLM's ``topk`` most likely tokens and their log-probabilities (of its own
-    distribution, before temperature) at every output position."""
+    distribution, before temperature) at every output position; with ``features`` the LLM's feature
+    at every position it read: all but the last token of prompt + continuation (that one is never
+    fed back)."""
     reason = unsupported_reason(model)
     if reason:
         raise ValueError(f"teacher.backend=batched: {reason}; use teacher.backend=hf")
@@ -167,10 +183,17 @@ def decode_batch(
     top_ids: list[list[list[int]]] = [[] for _ in range(n_rows)]
     top_lps: list[list[list[float]]] = [[] for _ in range(n_rows)]
     rows = list(range(n_rows))  # the original row of each live row
+    feats: list[list[Tensor]] = [[] for _ in range(n_rows)]  # with features: the prompt's, then one per fed token
     old = cfg._attn_implementation
     cfg._attn_implementation = ATTENTION
     try:
-        hidden = body(input_ids=ids, position_ids=positions, use_cache=False, batch_cache=cache).last_hidden_state[:, -1]
+        states = body(input_ids=ids, position_ids=positions, use_cache=False, batch_cache=cache).last_hidden_state
+        hidden = states[:, -1]
+        if features:
+            states = states.to("cpu", torch.float16)
+            for r in range(n_rows):
+                u = int(copy_of[r])
+                feats[r].append(states[u, int(offsets[u]):])
         cache.filled = width
         next_pos = positions[:, -1] + 1  # (B,)
         if len(unique) < n_rows:
@@ -203,8 +226,14 @@ def decode_batch(
                 tok, next_pos = tok[keep], next_pos[keep]
             hidden = body(input_ids=tok[:, None], position_ids=next_pos[:, None], use_cache=False,
                           batch_cache=cache).last_hidden_state[:, -1]
+            if features:
+                fed = hidden.to("cpu", torch.float16)
+                for j, r in enumerate(rows):
+                    if not done[j]:  # a finished row is fed until it is compacted away; not its text
+                        feats[r].append(fed[j : j + 1])
             cache.filled += 1
             next_pos = next_pos + 1
     finally:
         cfg._attn_implementation = old
-    return outs, (top_ids if topk else None), (top_lps if topk else None)
+    return Decoded(outs, top_ids if topk else None, top_lps if topk else None,
+                   [torch.cat(f) for f in feats] if features else None)

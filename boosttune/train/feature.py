@@ -3,9 +3,10 @@
 Shape legend: B samples per batch, L tokens per sample (pairs: L - 1), H hidden width, K draft
 vocabulary.
 
-Data: each teacher sample (prompt + the LLM's continuation) and the LLM's features ``F`` over it
-(one fp32 forward per sample, :func:`llm_features`). Pair j = ``(F_j, token_{j+1})`` predicts
-``F_{j+1}`` and ``token_{j+2}``.
+Data: each teacher sample (prompt + the LLM's continuation) and the LLM's features ``F`` over it:
+those the batched teacher recorded while writing it (``boosttune/train/teacher.py``; the sample then
+ends one token early: its last token was never fed to the LLM), else one fp32 forward per sample
+(:func:`llm_features`). Pair j = ``(F_j, token_{j+1})`` predicts ``F_{j+1}`` and ``token_{j+2}``.
 
 Losses, as EAGLE trains its head (Li et al. 2024, arXiv 2401.15077, §4: a smooth-L1 regression of
 the next feature plus 0.1 times a classification loss, with uniform noise U(-0.1, 0.1) added to the

@@ -19,7 +19,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -41,7 +41,13 @@ from boosttune.train.draft_ranking import ensure_draft_ranking
 from boosttune.train.faults import crash_point
 from boosttune.train.matching import is_match, summarize_agreement, teacher_forced_agreement
 from boosttune.train.sources import TrainPrompt, collect_prompts, default_seeds
-from boosttune.train.teacher import load_teacher, missing_shards, remove_shard_temporaries, run_teacher
+from boosttune.train.teacher import (
+    load_features,
+    load_teacher,
+    missing_shards,
+    remove_shard_temporaries,
+    run_teacher,
+)
 
 # Fields that may differ when a run is resumed (how it runs, not what it computes).
 _RESUMABLE_CHANGES = ("optim.devices", "optim.num_nodes", "optim.accelerator", "optim.strategy", "optim.logger",
@@ -207,7 +213,7 @@ def read_prompts_file(run: RunDir) -> list[TrainPrompt]:
 def teacher_phase(cfg: TrainConfig, run: RunDir, llm, prompts: list[TrainPrompt]) -> dict:
     llm.model.config._attn_implementation = cfg.teacher.attn_implementation
     stats = run_teacher(llm.model, llm.tokenizer, prompts, cfg.teacher, run, eos_token_ids(llm),
-                        rank=dist.rank(), world=dist.world_size(), seed=cfg.optim.seed)
+                        rank=dist.rank(), world=dist.world_size(), seed=cfg.optim.seed, features=cfg.feature.enabled)
     if stats["tokens"]:
         path = run.teacher_stats(dist.rank())
         old = json.loads(path.read_text()) if path.exists() else {"tokens": 0, "seconds": 0.0}
@@ -380,8 +386,25 @@ def finished_feature(cfg: TrainConfig, run: RunDir) -> dict | None:
     return stats if stats.get("config") == json.loads(json.dumps(asdict(cfg.feature))) else None
 
 
+def _recorded_features(run: RunDir, cfg: TrainConfig, samples: list, first: int) -> tuple[list, list, int]:
+    """The samples (prompt indices ``first``...) and the features the teacher recorded for them:
+    where it did, the sample loses its last token (never fed to the LLM, so it has no feature); None
+    where it did not (its features are computed). Also how many were recorded."""
+    recorded = load_features(run, range(first, first + len(samples)), cfg.teacher.shard_size)
+    out, feats = [], []
+    for s, f in zip(samples, recorded, strict=True):
+        if f is not None and len(f) == len(s.ids) - 1 and len(s.ids) - 1 > s.prompt_len:
+            out.append(replace(s, ids=s.ids[:-1]))
+            feats.append(f)
+        else:
+            out.append(s)
+            feats.append(None)
+    return out, feats, sum(f is not None for f in feats)
+
+
 def feature_phase(cfg: TrainConfig, run: RunDir, train: list, held: list) -> dict | None:
-    """Rank 0 trains the feature head (``feature.enabled``) on every training sample, after the SSMs;
+    """Rank 0 trains the feature head (``feature.enabled``) on every training sample, after the SSMs,
+    on the LLM features the teacher recorded (:func:`_recorded_features`; computed where it did not);
     returns its statistics (None: disabled, or another rank). A head trained with the same settings
     is not trained again (other settings replace it: a finished run can gain one); a killed phase
     starts over (it is minutes long and keeps nothing half-done)."""
@@ -401,9 +424,14 @@ def feature_phase(cfg: TrainConfig, run: RunDir, train: list, held: list) -> dic
     vocab = llm.model.get_output_embeddings().weight.shape[0]
     rows = head_ids(load_ranking(run.draft_vocab_path), fc.draft_vocab, vocab) if fc.draft_vocab else torch.arange(vocab)
     t0 = time.perf_counter()
-    with progress(total=len(train) + len(held), desc="LLM features", unit="sample") as bar:
-        feats = llm_features(llm.model, train, bar.update)
-        held_feats = llm_features(llm.model, held, bar.update)
+    train, feats, train_recorded = _recorded_features(run, cfg, train, 0)
+    held, held_feats, held_recorded = _recorded_features(run, cfg, held, len(train))
+    every, every_feats = train + held, feats + held_feats
+    todo = [i for i, f in enumerate(every_feats) if f is None]
+    with progress(total=len(todo), desc="LLM features", unit="sample") as bar:
+        for i, f in zip(todo, llm_features(llm.model, [every[i] for i in todo], bar.update), strict=True):
+            every_feats[i] = f
+    feats, held_feats = every_feats[: len(train)], every_feats[len(train):]
     feature_s = time.perf_counter() - t0
     head = build_head(llm.model, fc.layers).to(llm.model.device)
     before = evaluate_head(head, held, held_feats, rows)
@@ -413,7 +441,8 @@ def feature_phase(cfg: TrainConfig, run: RunDir, train: list, held: list) -> dic
     after = evaluate_head(head, held, held_feats, rows)
     summary = {"config": json.loads(json.dumps(asdict(fc))), "feature_seconds": round(feature_s, 1),
                "train": stats, "held_out_before": before, "held_out": after,
-               "samples": len(train), "held_out_samples": len(held)}
+               "samples": len(train), "held_out_samples": len(held),
+               "recorded_by_teacher": train_recorded + held_recorded}
     _log(f"feature head: {stats['steps']} steps in {stats['seconds']:.0f} s, held-out top-1 "
          f"{before['top1']:.3f} -> {after['top1']:.3f} (features {feature_s:.0f} s)")
     head = head.to(torch.float32).eval()

@@ -12,6 +12,11 @@ log-probabilities after temperature 1, for KL/TV distillation).
 
 Backends: ``batched`` and ``hf`` run the LLM in this process; ``openai`` asks an OpenAI-compatible
 server for the same continuations (:mod:`boosttune.train.teacher_openai`) and writes the same shards.
+
+With ``features`` (a run that trains a feature head) the batched backend also keeps the LLM's
+features, which it computes while writing, in ``shard-*.features.safetensors`` next to each shard
+(written before it; fp16; per row all but the last token of prompt + output), so the feature head
+needs no second pass over the samples (:func:`load_features`). Other backends leave none.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import torch
+from safetensors.torch import load_file, save_file
 
 from boosttune.config import TeacherConfig
 from boosttune.core.progress import progress
@@ -39,6 +45,7 @@ class Continuation:
     finish: str
     topk_ids: list[list[int]] | None = None
     topk_logprobs: list[list[float]] | None = None
+    features: torch.Tensor | None = None  # (len(prompt) + len(output) - 1, H): the LLM's features
 
 
 def schema(topk: int) -> pa.Schema:
@@ -88,15 +95,17 @@ def resolve_backend(cfg: TeacherConfig, model) -> str:
 
 def generate_batch(
     model, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, top_p: float,
-    pad_id: int, eos_ids: frozenset[int], topk: int = 0, backend: str = "hf",
+    pad_id: int, eos_ids: frozenset[int], topk: int = 0, backend: str = "hf", features: bool = False,
 ) -> list[Continuation]:
-    """The LLM's continuations of a batch of prompts, by ``backend`` ('hf' or 'batched')."""
+    """The LLM's continuations of a batch of prompts, by ``backend`` ('hf' or 'batched'; with
+    ``features``, the batched backend keeps the LLM's features too)."""
     if backend == "batched":
-        outs, top_ids, top_lps = batched_decode.decode_batch(model, prompts, max_new_tokens, eos_ids, pad_id, topk,
-                                                             temperature=temperature, top_p=top_p)
+        d = batched_decode.decode_batch(model, prompts, max_new_tokens, eos_ids, pad_id, topk,
+                                        temperature=temperature, top_p=top_p, features=features)
         # decode_batch stops each row at its first EOS: cut_at_eos only names the finish
-        return [Continuation(*cut_at_eos(o, eos_ids), top_ids[r] if topk else None, top_lps[r] if topk else None)
-                for r, o in enumerate(outs)]
+        return [Continuation(*cut_at_eos(o, eos_ids), d.topk_ids[r] if topk else None,
+                             d.topk_logprobs[r] if topk else None, d.features[r] if features else None)
+                for r, o in enumerate(d.tokens)]
     return _hf_generate(model, prompts, max_new_tokens, temperature, top_p, pad_id, eos_ids, topk)
 
 
@@ -138,23 +147,62 @@ def write_shard(path: Path, prompts: Sequence[TrainPrompt], conts: Sequence[Cont
         cols["topk_ids"] = [c.topk_ids for c in conts]
         cols["topk_logprobs"] = [c.topk_logprobs for c in conts]
     table = pa.table(cols, schema=schema(topk))
+    if conts and all(c.features is not None for c in conts):  # before the shard: a whole shard has its features
+        feats = [c.features for c in conts]
+        _write_atomic(features_path(path), lambda tmp: save_file(
+            {"features": torch.cat(feats).to(torch.float16).contiguous(),
+             "lengths": torch.tensor([len(f) for f in feats], dtype=torch.int64)}, str(tmp)))
+
+    def write(tmp: Path) -> None:
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+
+    _write_atomic(path, write, crash="teacher-shard-tmp")
+    crash_point("teacher-shard")
+
+
+def _write_atomic(path: Path, write, crash: str = "") -> None:
+    """``write(tmp)`` a temporary file next to ``path``, fsync it, rename it into place."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
+    write(tmp)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
-    crash_point("teacher-shard-tmp")
+    if crash:
+        crash_point(crash)
     os.replace(tmp, path)
-    crash_point("teacher-shard")
+
+
+def features_path(shard: Path) -> Path:
+    """The LLM-features file next to a teacher shard."""
+    return shard.with_name(shard.name.replace(".arrow", ".features.safetensors"))
+
+
+def load_features(run: RunDir, indices: Sequence[int], shard_size: int) -> list[torch.Tensor | None]:
+    """The teacher's recorded features of prompts ``indices`` ((L - 1, H) fp16 each), None where its
+    shard has none (another backend, or a run without a feature head when it was written)."""
+    out: list[torch.Tensor | None] = []
+    shards: dict[int, list[torch.Tensor] | None] = {}
+    for i in indices:
+        k = i // shard_size
+        if k not in shards:
+            path = features_path(run.teacher_shard(k))
+            if path.is_file():
+                data = load_file(str(path))
+                shards[k] = list(torch.split(data["features"], data["lengths"].tolist()))
+            else:
+                shards[k] = None
+        out.append(None if shards[k] is None else shards[k][i % shard_size])
+    return out
 
 
 def run_teacher(
     model, tokenizer, prompts: Sequence[TrainPrompt], cfg: TeacherConfig, run: RunDir,
-    eos_ids: frozenset[int], rank: int = 0, world: int = 1, seed: int = 0,
+    eos_ids: frozenset[int], rank: int = 0, world: int = 1, seed: int = 0, features: bool = False,
 ) -> dict:
-    """Write this rank's missing shards; returns what this call generated (tokens, seconds, tok/s, the
-    backend, and how the token ids were obtained). ``teacher.backend: openai`` asks a server instead of
-    ``model`` (:mod:`boosttune.train.teacher_openai`)."""
+    """Write this rank's missing shards (with ``features``, the batched backend's features files
+    too); returns what this call generated (tokens, seconds, tok/s, the backend, and how the token ids
+    were obtained). ``teacher.backend: openai`` asks a server instead of ``model``
+    (:mod:`boosttune.train.teacher_openai`)."""
     if cfg.backend == "openai":
         from boosttune.train.teacher_openai import run_openai_teacher
 
@@ -176,7 +224,7 @@ def run_teacher(
         for b in range(0, len(order), cfg.batch_size):
             idx = order[b:b + cfg.batch_size]
             outs = generate_batch(model, [shard[i].input_ids for i in idx], cfg.max_new_tokens, cfg.temperature,
-                                  cfg.top_p, pad, eos_ids, cfg.topk_logprobs, backend)
+                                  cfg.top_p, pad, eos_ids, cfg.topk_logprobs, backend, features)
             for i, c in zip(idx, outs, strict=True):
                 conts[i] = c
                 tokens += len(c.output_ids)
@@ -208,7 +256,7 @@ def load_teacher(run: RunDir, n_prompts: int, shard_size: int):
 def remove_shard_temporaries(run: RunDir) -> list[Path]:
     """Delete the temporary files of shards a killed run was writing (``.shard-*.tmp``; never read:
     the shard is redone). Call it while no rank writes shards. Returns what was deleted."""
-    stale = sorted(run.teacher_dir.glob(".shard-*.tmp"))
+    stale = sorted(run.teacher_dir.glob(".shard-*.tmp"))  # shards' and their features files'
     for path in stale:
         path.unlink(missing_ok=True)
     return stale
