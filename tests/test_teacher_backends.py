@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import tiny_llama
-from scipy.stats import chisquare
+from test_verify_stochastic import _gof_pvalue  # chi-square, cells expected < 5 merged
 from transformers import MistralConfig, MistralForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
@@ -90,16 +90,6 @@ def _hf_warped(logits: torch.Tensor, temperature: float, top_p: float) -> torch.
     return torch.softmax(scores[0], -1)
 
 
-def _pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Chi-square p-value of ``counts`` under ``probs`` (tokens expected < 5 times pooled in one bin)."""
-    exp = probs * counts.sum()
-    small = exp < 5
-    obs = torch.cat([counts[~small], counts[small].sum()[None]]).double()
-    e = torch.cat([exp[~small], exp[small].sum()[None]]).double()
-    keep = e > 0
-    return float(chisquare(obs[keep].numpy(), (e[keep] * obs[keep].sum() / e[keep].sum()).numpy()).pvalue)
-
-
 @pytest.mark.parametrize(("temperature", "top_p"), [(0.8, 0.9), (1.0, 1.0), (1.3, 0.5)])
 def test_sampled_tokens_follow_hfs_warped_distribution(temperature: float, top_p: float) -> None:
     logits = torch.randn(40, generator=torch.Generator().manual_seed(2)) * 2.0
@@ -108,9 +98,9 @@ def test_sampled_tokens_follow_hfs_warped_distribution(temperature: float, top_p
     counts = torch.bincount(got, minlength=40).float()
     want = _hf_warped(logits, temperature, top_p)
     assert counts[want == 0].sum() == 0, "a token outside the nucleus was drawn"
-    assert _pvalue(counts, want) > 1e-3
+    assert _gof_pvalue(counts, want) > 1e-3
     control = _hf_warped(logits, temperature * 1.15, min(1.0, top_p + 0.1))  # a slightly different warp
-    assert _pvalue(counts, control) < 1e-6, "the test cannot tell a different distribution apart"
+    assert _gof_pvalue(counts, control) < 1e-6, "the test cannot tell a different distribution apart"
 
 
 def test_the_batched_decoder_samples_the_models_next_token_and_is_seeded() -> None:
@@ -121,8 +111,8 @@ def test_the_batched_decoder_samples_the_models_next_token_and_is_seeded() -> No
     outs = batched_decode.decode_batch(model, [prompt] * n, 1, frozenset({1}), 0, temperature=0.7, top_p=0.9,
                                        generator=torch.Generator().manual_seed(1)).tokens
     counts = torch.bincount(torch.tensor([o[0] for o in outs]), minlength=logits.numel()).float()
-    assert _pvalue(counts, _hf_warped(logits, 0.7, 0.9)) > 1e-3
-    assert _pvalue(counts, _hf_warped(logits, 1.0, 1.0)) < 1e-6  # control: the unwarped distribution
+    assert _gof_pvalue(counts, _hf_warped(logits, 0.7, 0.9)) > 1e-3
+    assert _gof_pvalue(counts, _hf_warped(logits, 1.0, 1.0)) < 1e-6  # control: the unwarped distribution
     again = [batched_decode.decode_batch(model, _prompts(), 8, frozenset(), 0, temperature=1.0,
                                          generator=torch.Generator().manual_seed(3)).tokens for _ in range(2)]
     assert again[0] == again[1]
