@@ -13,8 +13,7 @@ import torch
 
 from boosttune.core.progress import progress
 from boosttune.core.prompts import Prompt, encode_prompt
-from boosttune.train import batched_decode
-from boosttune.train.teacher import generate_batch
+from boosttune.train.teacher import generate_batch, local_backend
 
 _ASK = ("Here is an example of a {category} request someone might give an AI assistant:\n\n{seed}\n\n"
         "Write one new, different {category} request. Reply with the request only.")
@@ -33,7 +32,7 @@ def grow_prompts(model, tokenizer, seeds: list[Prompt], n: int, eos_ids: frozens
     """Up to ``n`` new requests written by the LLM (fewer if it repeats itself), sampled by
     ``backend`` ('batched', 'hf', or 'auto': batched where the LLM's attention allows it)."""
     if backend == "auto":
-        backend = "batched" if batched_decode.unsupported_reason(model) is None else "hf"
+        backend = local_backend(model)
     rng = random.Random(seed)
     # a seed's asks side by side: the batched decoder reads each distinct ask once per batch
     picks = [seeds[i] for i in sorted(rng.randrange(len(seeds)) for _ in range(n))]

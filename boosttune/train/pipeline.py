@@ -386,11 +386,11 @@ def finished_feature(cfg: TrainConfig, run: RunDir) -> dict | None:
     return stats if stats.get("config") == json.loads(json.dumps(asdict(cfg.feature))) else None
 
 
-def _recorded_features(run: RunDir, cfg: TrainConfig, samples: list, first: int) -> tuple[list, list, int]:
+def _recorded_features(run: RunDir, shard_size: int, samples: list, first: int) -> tuple[list, list, int]:
     """The samples (prompt indices ``first``...) and the features the teacher recorded for them:
     where it did, the sample loses its last token (never fed to the LLM, so it has no feature); None
     where it did not (its features are computed). Also how many were recorded."""
-    recorded = load_features(run, range(first, first + len(samples)), cfg.teacher.shard_size)
+    recorded = load_features(run, range(first, first + len(samples)), shard_size)
     out, feats = [], []
     for s, f in zip(samples, recorded, strict=True):
         if f is not None and len(f) == len(s.ids) - 1 and len(s.ids) - 1 > s.prompt_len:
@@ -424,8 +424,8 @@ def feature_phase(cfg: TrainConfig, run: RunDir, train: list, held: list) -> dic
     vocab = llm.model.get_output_embeddings().weight.shape[0]
     rows = head_ids(load_ranking(run.draft_vocab_path), fc.draft_vocab, vocab) if fc.draft_vocab else torch.arange(vocab)
     t0 = time.perf_counter()
-    train, feats, train_recorded = _recorded_features(run, cfg, train, 0)
-    held, held_feats, held_recorded = _recorded_features(run, cfg, held, len(train))
+    train, feats, train_recorded = _recorded_features(run, cfg.teacher.shard_size, train, 0)
+    held, held_feats, held_recorded = _recorded_features(run, cfg.teacher.shard_size, held, len(train))
     every, every_feats = train + held, feats + held_feats
     todo = [i for i, f in enumerate(every_feats) if f is None]
     with progress(total=len(todo), desc="LLM features", unit="sample") as bar:

@@ -88,8 +88,11 @@ def _left_pad(batch: Sequence[Sequence[int]], pad: int, device) -> tuple[torch.T
 
 def resolve_backend(cfg: TeacherConfig, model) -> str:
     """'batched', 'hf' or 'openai': what ``cfg.backend`` means for this model ('auto': batched when it can)."""
-    if cfg.backend != "auto":
-        return cfg.backend
+    return cfg.backend if cfg.backend != "auto" else local_backend(model)
+
+
+def local_backend(model) -> str:
+    """The in-process backend for ``model``: 'batched' where its attention allows it, else 'hf'."""
     return "batched" if batched_decode.unsupported_reason(model) is None else "hf"
 
 
