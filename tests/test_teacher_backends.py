@@ -72,16 +72,21 @@ def test_batched_decoder_compacts_finished_rows_without_changing_others() -> Non
     every_step = batched_decode.decode_batch(model, prompts, MAX_NEW, eos, 0, compact_every=1, features=True)
     never = batched_decode.decode_batch(model, prompts, MAX_NEW, eos, 0, compact_every=10_000, features=True)
     assert every_step.tokens == never.tokens
+    # prompts read in groups of similar length (lengths 1, 3 | 5 | 7 | 9 | 12 here) write the same
+    assert batched_decode._prefill_groups(sorted(map(len, prompts)), 12) == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6)]
+    grouped = batched_decode.decode_batch(model, prompts, MAX_NEW, eos, 0, features=True, prefill_tokens=12)
+    assert grouped.tokens == never.tokens
     repeated = batched_decode.decode_batch(model, prompts + prompts[::2], MAX_NEW, eos, 0)  # read once each
     assert repeated.tokens == never.tokens + never.tokens[::2]
     # the features it kept are the LLM's own last hidden states over prompt + output (all but the last token)
-    for p, out, a, b in zip(prompts, never.tokens, every_step.features, never.features, strict=True):
+    for p, out, a, b, c in zip(prompts, never.tokens, every_step.features, never.features, grouped.features, strict=True):
         ids = torch.tensor([(p + out)[:-1]])
         with torch.no_grad():
             want = model.model(input_ids=ids).last_hidden_state[0]
         assert a.dtype == torch.float16 and a.shape == want.shape == b.shape
         torch.testing.assert_close(a.float(), want, atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(b.float(), want, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(c.float(), want, atol=2e-3, rtol=2e-3)
 
 
 def _hf_warped(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

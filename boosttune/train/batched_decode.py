@@ -52,6 +52,7 @@ class BatchCache:
     values: list[Tensor]  # per layer (B, G, S_max, C)
     bias: Tensor  # (B, S_max) additive: -inf at left padding, 0 elsewhere
     filled: int = 0  # positions written so far (the same for every row: padding is on the left)
+    prefilling: bool = False  # a multi-token feed: its rows hold nothing but padding before ``filled``
 
     def keep_rows(self, rows: Tensor) -> None:
         self.keys = [x.index_select(0, rows) for x in self.keys]
@@ -69,8 +70,8 @@ def _attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask
     cache.keys[layer][:, :, :, s0:s0 + t] = key.transpose(-1, -2)
     cache.values[layer][:, :, s0:s0 + t] = value
     scale = scaling if scaling is not None else c ** -0.5
-    bias = cache.bias[:, : s0 + t]  # (B, S)
     if t == 1:
+        bias = cache.bias[:, : s0 + 1]  # (B, S)
         dt = cache.keys[layer].dtype
         keys_t = cache.keys[layer].view(b * g, c, -1)[:, :, : s0 + 1]  # (B*G, C, S), a view
         values = cache.values[layer].view(b * g, -1, c)[:, : s0 + 1]  # (B*G, S, C), a view
@@ -78,10 +79,11 @@ def _attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask
         scores = torch.bmm(q, keys_t).view(b, h, s0 + 1) * scale + bias[:, None, :]  # (B, H, S)
         probs = torch.softmax(scores.float(), dim=-1).to(dt).view(b * g, h // g, s0 + 1)
         out = torch.bmm(probs, values).view(b, h, 1, c).to(query.dtype)  # (B, H, 1, C)
-    else:  # the prefill: causal within the prompt, padding masked
-        if s0:
-            raise ValueError("batched decode: multi-token feeds are only supported as the first (prefill) call")
-        mask = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()[None, None] & (bias == 0)[:, None, None, :]
+    else:  # the prefill: causal within the fed tokens (all before them is padding), padding masked
+        if not cache.prefilling:
+            raise ValueError("batched decode: multi-token feeds are only supported as the prefill")
+        real = cache.bias[:, s0 : s0 + t] == 0  # (B, T)
+        mask = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()[None, None] & real[:, None, None, :]
         # a padding row sees nothing and would give NaN; let it see itself (its output is never read)
         mask = mask | torch.eye(t, dtype=torch.bool, device=query.device)[None, None]
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=g != h)
@@ -141,17 +143,30 @@ def pick_tokens(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0,
 
 
 @torch.inference_mode()
+def _prefill_groups(lengths: Sequence[int], budget: int) -> list[tuple[int, int]]:
+    """[lo, hi) row ranges of ascending ``lengths``, each padded to its last row's length within
+    ``budget`` tokens (a row longer than the budget is a group alone)."""
+    groups, lo = [], 0
+    for i, n in enumerate(lengths):
+        if i > lo and (i + 1 - lo) * n > budget:
+            groups.append((lo, i))
+            lo = i
+    groups.append((lo, len(lengths)))
+    return groups
+
+
 def decode_batch(
     model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: frozenset[int], pad_id: int,
     topk: int = 0, compact_every: int = 16, temperature: float = 0.0, top_p: float = 1.0,
-    generator: torch.Generator | None = None, features: bool = False,
+    generator: torch.Generator | None = None, features: bool = False, prefill_tokens: int = 4096,
 ) -> Decoded:
     """Continuations of ``prompts`` (each cut after its first EOS): greedy at ``temperature`` 0, else
     sampled (:func:`pick_tokens`; ``generator``: the random stream, default torch's global one); with
     ``topk`` the LLM's ``topk`` most likely tokens and their log-probabilities (of its own
     distribution, before temperature) at every output position; with ``features`` the LLM's feature
     at every position it read: all but the last token of prompt + continuation (that one is never
-    fed back)."""
+    fed back). Prompts are read in groups of similar length of at most ``prefill_tokens`` padded
+    tokens each, so a long prompt does not pad the whole batch to its length."""
     reason = unsupported_reason(model)
     if reason:
         raise ValueError(f"teacher.backend=batched: {reason}; use teacher.backend=hf")
@@ -159,8 +174,11 @@ def decode_batch(
     n_rows, width = len(prompts), max(len(p) for p in prompts)
     # a prompt asked for several times (several samples of one request) is read once
     first: dict[tuple[int, ...], int] = {}
-    copy_of = torch.tensor([first.setdefault(tuple(p), len(first)) for p in prompts], dtype=torch.long)
-    unique = list(first)
+    for p in prompts:
+        first.setdefault(tuple(p), len(first))
+    unique = sorted(first, key=len)  # by length: the prefill groups of similar lengths pad little
+    index = {p: u for u, p in enumerate(unique)}
+    copy_of = torch.tensor([index[tuple(p)] for p in prompts], dtype=torch.long)
     s_max = width + max_new_tokens
     # fp32 on CPU: two small batched products read it in place, faster than bf16 there and exact
     cache_dtype = torch.float32 if dev.type == "cpu" else model.dtype
@@ -182,24 +200,37 @@ def decode_batch(
     outs: list[list[int]] = [[] for _ in range(n_rows)]
     top_ids: list[list[list[int]]] = [[] for _ in range(n_rows)]
     top_lps: list[list[list[float]]] = [[] for _ in range(n_rows)]
-    rows = list(range(n_rows))  # the original row of each live row
     feats: list[list[Tensor]] = [[] for _ in range(n_rows)]  # with features: the prompt's, then one per fed token
     old = cfg._attn_implementation
     cfg._attn_implementation = ATTENTION
     try:
-        states = body(input_ids=ids, position_ids=positions, use_cache=False, batch_cache=cache).last_hidden_state
-        hidden = states[:, -1]
+        hidden = torch.empty(len(unique), cfg.hidden_size, device=dev, dtype=model.dtype)
+        prompt_feats: list[Tensor] = []
+        for lo, hi in _prefill_groups([len(p) for p in unique], prefill_tokens):
+            w = len(unique[hi - 1])  # the group's longest prompt; the positions before it are padding
+            for x in cache.keys:
+                x[lo:hi, :, :, : width - w] = 0  # read (masked) by every decode step: no stale NaN
+            for x in cache.values:
+                x[lo:hi, :, : width - w] = 0
+            group = BatchCache([x[lo:hi] for x in cache.keys], [x[lo:hi] for x in cache.values],
+                               cache.bias[lo:hi], filled=width - w, prefilling=True)  # views: writes land in cache
+            states = body(input_ids=ids[lo:hi, width - w:], position_ids=positions[lo:hi, width - w:],
+                          use_cache=False, batch_cache=group).last_hidden_state  # (rows, w, H)
+            hidden[lo:hi] = states[:, -1]
+            if features:
+                states = states.to("cpu", torch.float16)
+                prompt_feats += [states[i, w - len(unique[u]):] for i, u in enumerate(range(lo, hi))]
         if features:
-            states = states.to("cpu", torch.float16)
             for r in range(n_rows):
-                u = int(copy_of[r])
-                feats[r].append(states[u, int(offsets[u]):])
+                feats[r].append(prompt_feats[int(copy_of[r])])
         cache.filled = width
         next_pos = positions[:, -1] + 1  # (B,)
+        # live row j decodes prompt row rows[j]; the cache stays in length order (copied only for repeats)
+        rows = sorted(range(n_rows), key=lambda r: int(copy_of[r]))
         if len(unique) < n_rows:
-            copy_of = copy_of.to(dev)
-            cache.keep_rows(copy_of)
-            hidden, next_pos = hidden[copy_of], next_pos[copy_of]
+            pick = copy_of[rows].to(dev)
+            cache.keep_rows(pick)
+            hidden, next_pos = hidden[pick], next_pos[pick]
         done = [False] * n_rows
         for step in range(max_new_tokens):
             logits = head(hidden).float()  # (B, V)
