@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "smollm2-demo.yaml", "smollm2-long.yaml", "openwebtext-llama7b.yaml"])
+@pytest.mark.parametrize("name", ["tiny.yaml", "smollm2-demo.yaml", "smollm2-hour.yaml", "smollm2-long.yaml", "openwebtext-llama7b.yaml"])
 def test_shipped_configs_resolve(name: str) -> None:
     cfg = load_config(CONFIGS / name)
     assert isinstance(cfg, TrainConfig)
