@@ -6,6 +6,7 @@ import json
 import sys
 
 import pytest
+import torch
 from conftest import MT_BENCH, perturbed, tiny_llama
 from transformers import AutoTokenizer
 
@@ -182,3 +183,55 @@ def test_bench_trees_script_prints_every_shape_identical_to_plain(tiny_dirs, cap
 def test_bench_trees_refuses_a_malformed_shape(bad):
     with pytest.raises(ValueError, match="shape"):
         _bench_trees().parse_shape(bad)
+
+
+def _script(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_head_acceptance_predicts_the_tau_the_engine_measures(tmp_path, capsys):
+    """The script's τ for one level of 3 children is the engine's on the same answers (fp32)."""
+    from boosttune.config import FeatureConfig
+    from boosttune.core.feature_head import save_head
+    from boosttune.core.models import load_model, model_vocab_size, tiny_model_dir
+    from boosttune.core.prompts import encode_prompt, read_prompts
+    from boosttune.serving.decode import incremental_generate
+    from boosttune.serving.stops import StopCriteria
+    from boosttune.train.distill import Sample
+    from boosttune.train.feature import build_head, llm_features, train_head
+
+    llm = load_model(str(tiny_model_dir()))
+    head = build_head(llm.model, [-1])
+    # a head that guesses often enough for steps of two tokens: trained on the LLM's answers to the questions
+    samples = []
+    for q in read_prompts(MT_BENCH)[:3]:
+        ids = encode_prompt(llm.tokenizer, q)
+        samples.append(Sample(ids + incremental_generate(llm.model, ids, StopCriteria(max_new_tokens=24)).tokens, len(ids)))
+    train_head(head, samples, llm_features(llm.model, samples), torch.arange(model_vocab_size(llm.model)),
+               FeatureConfig(enabled=True, minutes=0, max_steps=60, lr=1e-2, ce_weight=1.0, noise=0.0))
+    save_head(head.eval(), tmp_path / "head")
+    llm.tokenizer.save_pretrained(tmp_path / "head")
+    common = ["--llm", str(tiny_model_dir()), "--questions", str(MT_BENCH), "--limit", "3", "--max-new-tokens", "24"]
+    assert _script("head_acceptance").main([str(tmp_path / "head"), *common, "--top", "3"]) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {tmp_path / 'head'} ")]
+    predicted = float(row[0].split("|")[5])
+    assert _bench_trees().main(["--ssm", str(tmp_path / "head"), *common, "w3=3"]) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| w3 ")]
+    measured = float(row[0].split("|")[4])
+    assert measured > 1.2 and row[0].endswith("| 3/3 |"), (predicted, row)
+    assert predicted == measured
+
+
+def test_head_acceptance_walks_steps_of_one_or_two_tokens():
+    walked = _script("head_acceptance").walked_steps
+    assert walked([]) == 0
+    assert walked([False, False, False]) == 3
+    assert walked([True, True, True, True]) == 2  # each step commits its draft and the LLM's next token
+    assert walked([True, False, True]) == 2  # position 1 is committed by the first step's LLM token

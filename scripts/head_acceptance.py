@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""How often feature heads guess the LLM's next token on a prompt set, without timing anything: a
+quick way to compare heads (seconds per head instead of minutes of benchmark).
+
+The LLM writes its greedy answers once, keeping its features (the teacher's batched decoder). Each
+head then reads those answers teacher-forced, as serving would feed it: the LLM's feature at a position
+and the token after it, guessing the token after that, for every answer token (the engine's prefill
+stops before the last prompt token, so the head guesses the first answer token too). It
+prints, per head, how often the LLM's next token is the head's first guess and among its first
+``--top`` guesses over the draft vocabulary, and the τ a tree of one level of ``--top`` children would
+reach on these answers: the answers walked step by step, one token per step plus one more when the
+LLM's token was among the children, all answers' tokens over all their steps. That τ equals what `boosttune bench` measures with widths
+[``--top``] when the features agree exactly (fp32: up to rounding between the batched decoder and the
+engine's verification).
+
+Usage:
+    python scripts/head_acceptance.py runs/hour/ssms/feature runs/hour3/ssms/feature \\
+        --questions ../shared/data/mt_bench/question.jsonl --limit 80 --draft-vocab 8192 --draft-ranking runs/hour
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from boosttune.core.feature_head import is_feature_head, pair_inputs
+from boosttune.core.models import eos_token_ids, load_llm_and_ssms, model_vocab_size
+from boosttune.core.prompts import encode_prompt, read_prompts
+from boosttune.serving.draft_vocab import head_ids, ranking_for
+from boosttune.train.batched_decode import decode_batch
+
+
+def walked_steps(hits: list[bool]) -> int:
+    """LLM steps after the prefill to commit an answer: a step starting at answer token i commits it,
+    plus the next one when the head's children held token i (``hits[i]``)."""
+    pos, steps = 0, 0
+    while pos < len(hits):
+        steps += 1
+        pos += 1 + hits[pos]
+    return steps
+
+
+@torch.no_grad()
+def head_hits(head, features: torch.Tensor, ids: list[int], prompt_len: int, rows: torch.Tensor, top: int):
+    """(first-guess hits, top-``top`` hits) per answer token, as bool tensors."""
+    m = len(ids) - 1  # pairs (feature i, token i + 1) → the LLM's token i + 2
+    inputs = pair_inputs(head, features[:m].float()[None], torch.tensor(ids[1:])[None])
+    hidden = head.base_model(inputs_embeds=inputs, use_cache=False).last_hidden_state[0]
+    lo = prompt_len - 2  # the feature before the last prompt token, and that token: the first answer token
+    logits = hidden[lo : m - 1].float() @ head.get_output_embeddings().weight[rows].float().T
+    guesses = rows[logits.topk(min(top, len(rows)), -1).indices]  # (n, top) token ids
+    target = torch.tensor(ids[lo + 2 :])
+    return guesses[:, 0] == target, (guesses == target[:, None]).any(-1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("heads", nargs="+", help="feature-head folders (a run's ssms/feature, or a bundle's)")
+    p.add_argument("--llm", default="default")
+    p.add_argument("--questions", required=True)
+    p.add_argument("--limit", type=int, default=80)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--draft-vocab", type=int, default=0)
+    p.add_argument("--draft-ranking", default=None, help="draft_vocab.json or its run (default: next to the first head)")
+    p.add_argument("--top", type=int, default=3, help="children of the one-level tree (default 3)")
+    p.add_argument("--batch-size", type=int, default=96, help="answers written at once")
+    args = p.parse_args(argv)
+    if args.top < 1:
+        p.error("--top must be >= 1")
+    llm, heads = load_llm_and_ssms(args.llm, args.heads, torch.float32)
+    for ref, h in zip(args.heads, heads, strict=True):
+        if not is_feature_head(h.model):
+            p.error(f"{ref} is not a feature head (no feature_head.json): this script reads LLM features")
+    vocab = model_vocab_size(llm.model)
+    ranking = ranking_for(args.draft_vocab, args.draft_ranking, args.heads)
+    rows = head_ids(ranking, args.draft_vocab, vocab) if args.draft_vocab else torch.arange(vocab)
+    prompts = [encode_prompt(llm.tokenizer, q, chat=True) for q in read_prompts(args.questions)[: args.limit or None]]
+    eos = frozenset(eos_token_ids(llm))
+    answers = []
+    for b in range(0, len(prompts), args.batch_size):
+        batch = prompts[b : b + args.batch_size]
+        out = decode_batch(llm.model, batch, args.max_new_tokens, eos, llm.tokenizer.pad_token_id or 0, features=True)
+        answers += list(zip(batch, out.tokens, out.features, strict=True))
+    print(f"{len(answers)} answers, {sum(len(t) for _, t, _ in answers)} tokens, draft vocabulary {args.draft_vocab or 'full'}")
+    print(f"| head | positions | top-1 | top-{args.top} | τ, one level of {args.top} |\n|---|---|---|---|---|")
+    for ref, h in zip(args.heads, heads, strict=True):
+        first = any_ = n = steps = 0
+        for prompt, tokens, feats in answers:
+            if tokens and len(prompt) >= 2:  # the first guess reads the token before the last
+                one, some = head_hits(h.model.eval(), feats, list(prompt) + list(tokens), len(prompt), rows, args.top)
+                first, any_, n = first + int(one.sum()), any_ + int(some.sum()), n + len(one)
+                steps += walked_steps(some.tolist())
+        tau = sum(len(t) for _, t, _ in answers) / max(steps, 1)  # tokens per step, as `boosttune bench` counts
+        print(f"| {ref} | {n} | {first / max(n, 1):.3f} | {any_ / max(n, 1):.3f} | {tau:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
