@@ -72,6 +72,7 @@ def test_batched_decoder_compacts_finished_rows_without_changing_others() -> Non
     every_step = batched_decode.decode_batch(model, prompts, MAX_NEW, eos, 0, compact_every=1, features=True)
     never = batched_decode.decode_batch(model, prompts, MAX_NEW, eos, 0, compact_every=10_000, features=True)
     assert every_step.tokens == never.tokens
+    assert not never.features[0].requires_grad, "decode_batch must not record autograd graphs (its cost and memory)"
     # prompts read in groups of similar length (lengths 1, 3 | 5 | 7 | 9 | 12 here) write the same
     assert batched_decode._prefill_groups(sorted(map(len, prompts)), 12) == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6)]
     grouped = batched_decode.decode_batch(model, prompts, MAX_NEW, eos, 0, features=True, prefill_tokens=12)

@@ -142,7 +142,6 @@ def pick_tokens(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0,
     return ids.gather(-1, torch.multinomial(probs, 1, generator=generator))[:, 0]
 
 
-@torch.inference_mode()
 def _prefill_groups(lengths: Sequence[int], budget: int) -> list[tuple[int, int]]:
     """[lo, hi) row ranges of ascending ``lengths``, each padded to its last row's length within
     ``budget`` tokens (a row longer than the budget is a group alone)."""
@@ -155,6 +154,7 @@ def _prefill_groups(lengths: Sequence[int], budget: int) -> list[tuple[int, int]
     return groups
 
 
+@torch.inference_mode()
 def decode_batch(
     model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: frozenset[int], pad_id: int,
     topk: int = 0, compact_every: int = 16, temperature: float = 0.0, top_p: float = 1.0,
