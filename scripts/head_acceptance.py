@@ -85,10 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(answers)} answers, {sum(len(t) for _, t, _ in answers)} tokens, draft vocabulary {args.draft_vocab or 'full'}")
     print(f"| head | positions | top-1 | top-{args.top} | τ, one level of {args.top} |\n|---|---|---|---|---|")
     for ref, h in zip(args.heads, heads, strict=True):
+        h.model.eval()
         first = any_ = n = steps = 0
         for prompt, tokens, feats in answers:
             if tokens and len(prompt) >= 2:  # the first guess reads the token before the last
-                one, some = head_hits(h.model.eval(), feats, list(prompt) + list(tokens), len(prompt), rows, args.top)
+                one, some = head_hits(h.model, feats, list(prompt) + list(tokens), len(prompt), rows, args.top)
                 first, any_, n = first + int(one.sum()), any_ + int(some.sum()), n + len(one)
                 steps += walked_steps(some.tolist())
         tau = sum(len(t) for _, t, _ in answers) / max(steps, 1)  # tokens per step, as `boosttune bench` counts

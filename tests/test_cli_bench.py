@@ -154,15 +154,20 @@ def test_llama_cpp_flags_fail_before_any_model_loads(tiny_dirs, tmp_path, capsys
     assert "unknown" in refused("--methods", "baseline,llama_cpp")
 
 
-def _bench_trees():
+def _script(name: str):
+    """A module of scripts/ (not a package), loaded from its file."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_trees.py"
-    spec = importlib.util.spec_from_file_location("bench_trees", path)
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _bench_trees():
+    return _script("bench_trees")
 
 
 def test_bench_trees_script_prints_every_shape_identical_to_plain(tiny_dirs, capsys):
@@ -183,17 +188,6 @@ def test_bench_trees_script_prints_every_shape_identical_to_plain(tiny_dirs, cap
 def test_bench_trees_refuses_a_malformed_shape(bad):
     with pytest.raises(ValueError, match="shape"):
         _bench_trees().parse_shape(bad)
-
-
-def _script(name: str):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_head_acceptance_predicts_the_tau_the_engine_measures(tmp_path, capsys):
