@@ -22,7 +22,7 @@ from pathlib import Path
 
 from boosttune.core.feature_head import FEATURE_FILE
 from boosttune.core.files import is_complete, sha256_file
-from boosttune.core.rundir import RunDir
+from boosttune.core.rundir import FEATURE_NAME, RunDir
 from boosttune.export_common import atomic_dir, check_out, tree_bytes, weight_files
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.bundle import llm_content_hash
@@ -47,11 +47,48 @@ _PROFILE = "acceptance_profile.json"
 
 @dataclass(frozen=True)
 class ExportResult:
-    """What export wrote: the bundle directory, its manifest, and its size in bytes."""
+    """What export wrote: the bundle directory, its manifest, its size in bytes, and why it ships the
+    drafters it does when export chose them (``Choice``; None: all, or the ones asked for)."""
 
     bundle: Path
     manifest: Manifest
     total_bytes: int
+    choice: Choice | None = None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The drafters a run's own evaluation measured fastest (``train/evaluate.py``).
+
+    Attributes:
+        drafters: their names (one SSM, the feature head, or every SSM merged).
+        speedup: their tokens/s over plain decoding's, in that evaluation.
+        others: every other option's speed-up there, by label ("ssm-K", "feature", "ensemble").
+    """
+
+    drafters: list[str]
+    speedup: float
+    others: dict[str, float]
+
+
+def fastest_drafters(evaluation: dict | None, available: Sequence[str]) -> Choice | None:
+    """The option of a run's evaluation with the highest speed-up whose drafters are all ``available``:
+    each SSM alone, the feature head alone, or all SSMs merged (the ensemble). None when the run was
+    not evaluated (``eval.enabled: false``, or a report from before evaluation measured speed)."""
+    if not isinstance(evaluation, dict):
+        return None
+    singles = [s for s in evaluation.get("singles", []) if isinstance(s, dict) and "speedup" in s]
+    options = {s["ssm"]: ([s["ssm"]], s["speedup"]) for s in singles}
+    if isinstance(evaluation.get("feature"), dict) and "speedup" in evaluation["feature"]:
+        options[FEATURE_NAME] = ([FEATURE_NAME], evaluation["feature"]["speedup"])
+    if isinstance(evaluation.get("ensemble"), dict) and "speedup" in evaluation["ensemble"]:
+        options["ensemble"] = ([s["ssm"] for s in singles], evaluation["ensemble"]["speedup"])
+    options = {label: o for label, o in options.items() if o[0] and set(o[0]) <= set(available)}
+    if not options:
+        return None
+    best = max(options, key=lambda label: options[label][1])
+    return Choice(drafters=options[best][0], speedup=float(options[best][1]),
+                  others={label: float(o[1]) for label, o in options.items() if label != best})
 
 
 def _versions() -> dict[str, str]:
@@ -143,9 +180,11 @@ def export_bundle(
         prompt_lookup: the bundle's default prompt-lookup chain length (``serving/lookup.py``), used
             when no learned scheduler decides (0: off).
         drafters: the run's drafters to ship, by name (ssm-K, and ``feature`` for the run's feature
-            head); None: every SSM, and the feature head if the run has one and no learned scheduler
-            (the scheduler cannot choose feature heads yet; a bundle whose drafters differ from its
-            scheduler's is refused when it loads).
+            head). None: with a learned scheduler, every SSM (the scheduler chooses among them per
+            request; it cannot choose feature heads yet, and a bundle whose drafters differ from its
+            scheduler's is refused when it loads); without one, every request drafts with every
+            drafter shipped, so export ships what the run's evaluation measured fastest
+            (:func:`fastest_drafters`), or every SSM and the feature head when the run was not evaluated.
     """
     from transformers import AutoTokenizer
 
@@ -156,6 +195,11 @@ def export_bundle(
     ssm_dirs = run.ssm_dirs()
     if is_complete(run.feature_dir) and (drafters is not None or not run.scheduler_file.is_file()):
         ssm_dirs.append(run.feature_dir)  # by default only where no learned scheduler (trained without it) plans
+    choice = None
+    if drafters is None and not run.scheduler_file.is_file():
+        choice = fastest_drafters(report.get("evaluation"), [d.name for d in ssm_dirs])
+        if choice is not None:
+            ssm_dirs = [d for d in ssm_dirs if d.name in choice.drafters]
     if drafters is not None:
         known = [d.name for d in ssm_dirs]
         unknown = [n for n in drafters if n not in known]
@@ -220,4 +264,4 @@ def export_bundle(
             prompt_lookup=int(prompt_lookup),
         )
         manifest.write(tmp)  # last: a bundle without it is refused
-    return ExportResult(bundle=out, manifest=manifest, total_bytes=tree_bytes(out))
+    return ExportResult(bundle=out, manifest=manifest, total_bytes=tree_bytes(out), choice=choice)

@@ -389,3 +389,61 @@ def test_a_manifest_at_the_size_cap_is_read(copy):
     text = json.dumps(_manifest(copy))
     (copy / MANIFEST).write_text(text + " " * (MAX_MANIFEST_BYTES - len(text)))
     assert verify_bundle(copy).manifest.format == BUNDLE_FORMAT
+
+
+def _evaluation(speedups: dict[str, float]) -> dict:
+    """A run report's evaluation section with these speed-ups (labels: ssm-K, feature, ensemble)."""
+    singles = [{"ssm": k, "tau": 1.3, "speedup": v} for k, v in speedups.items() if k.startswith("ssm-")]
+    out: dict = {"singles": singles, "plain": {"tau": 1.0}}
+    for label in ("feature", "ensemble"):
+        if label in speedups:
+            out[label] = {"tau": 1.4, "speedup": speedups[label]}
+    return out
+
+
+def test_fastest_drafters_picks_the_measured_best_among_what_ships():
+    from boosttune.export import fastest_drafters
+
+    ev = _evaluation({"ssm-1": 1.05, "ssm-2": 1.17, "feature": 1.39, "ensemble": 0.7})
+    best = fastest_drafters(ev, ["ssm-1", "ssm-2", "feature"])
+    assert best.drafters == ["feature"] and best.speedup == 1.39
+    assert best.others == {"ssm-1": 1.05, "ssm-2": 1.17, "ensemble": 0.7}
+    # the feature head did not finish: the best SSM
+    assert fastest_drafters(ev, ["ssm-1", "ssm-2"]).drafters == ["ssm-2"]
+    # the ensemble is every evaluated SSM merged
+    ens = fastest_drafters(_evaluation({"ssm-1": 0.9, "ssm-2": 0.95, "ensemble": 1.1}), ["ssm-1", "ssm-2"])
+    assert ens.drafters == ["ssm-1", "ssm-2"] and ens.speedup == 1.1
+    # an ensemble missing one of its SSMs is not an option
+    assert fastest_drafters(_evaluation({"ssm-1": 0.9, "ssm-2": 0.95, "ensemble": 1.1}), ["ssm-1"]).drafters == ["ssm-1"]
+    # not evaluated, or evaluated before speed was measured: no choice
+    assert fastest_drafters(None, ["ssm-1"]) is None
+    assert fastest_drafters({"singles": [{"ssm": "ssm-1", "tau": 1.2}]}, ["ssm-1"]) is None
+
+
+def test_export_ships_what_the_run_measured_fastest_unless_told(tmp_path, capsys):
+    """Without a learned scheduler every request drafts with every drafter a bundle ships, so export
+    ships the run's fastest option (here SSM 2 alone, not the slower merged pair), says why, and ships
+    what --drafters names or, with a scheduler, every SSM."""
+    run = make_run_dir(tmp_path / "run", n_ssms=2, scheduler=False, ranking=False)
+    report = json.loads((run / "report.json").read_text())
+    report["evaluation"] = _evaluation({"ssm-1": 0.98, "ssm-2": 1.15, "ensemble": 0.86})
+    (run / "report.json").write_text(json.dumps(report))
+    res = export_bundle(run, tmp_path / "b")
+    assert [s["name"] for s in _manifest(res.bundle)["ssms"]] == ["ssm-2"] and res.choice.drafters == ["ssm-2"]
+    state = load_bundle(res.bundle)
+    assert state.ssm_names == ["ssm-2"]
+    assert main(["export", str(run), "--out", str(tmp_path / "cli")]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("drafters ssm-2: fastest in the run's evaluation, 1.15x") and "ensemble 0.86x" in line
+    both = export_bundle(run, tmp_path / "both", drafters=["ssm-1", "ssm-2"])
+    assert both.choice is None and [s["name"] for s in _manifest(both.bundle)["ssms"]] == ["ssm-1", "ssm-2"]
+    # all slower than plain decoding: the fastest still ships, with a warning
+    report["evaluation"] = _evaluation({"ssm-1": 0.7, "ssm-2": 0.8, "ensemble": 0.5})
+    (run / "report.json").write_text(json.dumps(report))
+    assert main(["export", str(run), "--out", str(tmp_path / "slow")]) == 0
+    assert "slower than plain decoding" in capsys.readouterr().out
+    # a learned scheduler chooses per request among every SSM
+    atomic_write_json(RunDir(run).scheduler_dir / "policy.json", {"kind": "test"})
+    atomic_write_json(RunDir(run).scheduler_file, {"kind": "test"})
+    sched = export_bundle(run, tmp_path / "sched")
+    assert sched.choice is None and [s["name"] for s in _manifest(sched.bundle)["ssms"]] == ["ssm-1", "ssm-2"]

@@ -28,7 +28,9 @@ def add_commands(sub) -> dict:
     e.add_argument("--force", action="store_true", help="replace --out if it exists")
     e.add_argument("--drafters", default=None, metavar="NAMES",
                    help="bundle: the run's drafters to ship, comma-separated (ssm-1, ..., feature for the run's "
-                        "feature head); default: all")
+                        "feature head); without a learned scheduler every request drafts with all of them. "
+                        "Default: with a scheduler, every SSM; without one, what the run's evaluation measured "
+                        "fastest (one SSM, the feature head, or all SSMs merged)")
     e.add_argument("--draft-vocab", type=int, default=None, metavar="K",
                    help="bundle: SSMs draft over the K tokens the LLM writes most (cheaper drafts; 0: whole "
                         "vocabulary; default: the run's tree)")
@@ -82,7 +84,20 @@ def _export_bundle(args: argparse.Namespace) -> int:
         f"draft vocabulary {m.tree.draft_vocab or 'whole'}, prompt lookup {m.prompt_lookup or 'off'}, "
         f"{len(m.files)} files, {res.total_bytes / 1e6:.1f} MB"
     )
+    if res.choice is not None:
+        print(_choice_line(res.choice))
     return 0
+
+
+def _choice_line(choice) -> str:
+    """Why export shipped the drafters it chose, with what it left out."""
+    others = ", ".join(f"{label} {s:.2f}x" for label, s in sorted(choice.others.items(), key=lambda kv: -kv[1]))
+    line = (f"drafters {', '.join(choice.drafters)}: fastest in the run's evaluation, "
+            f"{choice.speedup:.2f}x plain decoding on its held-out requests")
+    line += f" (others: {others})" if others else ""
+    if choice.speedup < 1.0:
+        line += "; slower than plain decoding there: train longer or with more data (README, 'SSMs that pay')"
+    return line + "; --drafters NAMES ships others"
 
 
 def _export_hf(args: argparse.Namespace) -> int:

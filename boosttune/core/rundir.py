@@ -42,6 +42,8 @@ from boosttune.core.files import MARKER, is_complete
 REPORT_FORMAT = 1
 DRAFT_VOCAB = "draft_vocab.json"
 """The draft vocabulary ranking's file name, in a run directory and next to SSMs and in bundles."""
+FEATURE_NAME = "feature"
+"""The feature head's name: its directory under ``ssms/`` and its drafter name in evaluations and bundles."""
 SCHEDULER_FILE = "scheduler.json"
 """The learned scheduler's file in a scheduler directory (a run's, and the bundle's copy of it)."""
 
@@ -190,7 +192,7 @@ class RunDir:
     @property
     def feature_dir(self) -> Path:
         """The run's feature head (``feature.enabled``), a model folder like an SSM's."""
-        return self.root / "ssms" / "feature"
+        return self.root / "ssms" / FEATURE_NAME
 
     def ssm_dirs(self) -> list[Path]:
         """The trained SSMs of the run, in stage order (only complete ones)."""

@@ -18,7 +18,7 @@ from boosttune.core.files import is_complete
 from boosttune.core.models import dtype_name, eos_token_ids, load_llm_and_ssms, load_model, parse_dtype
 from boosttune.core.progress import progress
 from boosttune.core.prompts import encode_prompt, read_prompts
-from boosttune.core.rundir import RunDir, ssm_name
+from boosttune.core.rundir import FEATURE_NAME, RunDir, ssm_name
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.draft_vocab import load_ranking
 from boosttune.serving.engine import SpeculativeEngine
@@ -101,6 +101,6 @@ def feature_tau(cfg: TrainConfig, run: RunDir, llm, tree: TreeConfig, prompts: l
     head = load_model(str(run.feature_dir), llm.dtype)
     tree = replace(tree, draft_vocab=cfg.feature.draft_vocab)
     ranking = load_ranking(run.draft_vocab_path) if tree.draft_vocab else None
-    r = tau_of(engine_from_models(llm, {"feature": head.model}, tree, ranking=ranking), prompts, stop)
+    r = tau_of(engine_from_models(llm, {FEATURE_NAME: head.model}, tree, ranking=ranking), prompts, stop)
     r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
     return {**r, "c": relative_cost(r, plain, tree.max_depth), "draft_vocab": tree.draft_vocab}
