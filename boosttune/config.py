@@ -206,6 +206,9 @@ class FeatureConfig:
         noise: half-width of the uniform noise on input features (EAGLE: 0.1).
         draft_vocab: the draft vocabulary it trains its cross-entropy over (0: the whole vocabulary);
             serve it with the same ``--draft-vocab``.
+        depth2_weight: weight of the same two losses at the second draft step, where the head reads
+            its own predicted feature as serving's depth-2 nodes do (EAGLE-3's training-time test,
+            arXiv 2503.01840; ``train/feature.py`` ``second_step``); 0: depth 1 only (EAGLE's recipe).
     """
 
     enabled: bool = False
@@ -218,6 +221,7 @@ class FeatureConfig:
     ce_weight: float = 0.1
     noise: float = 0.1
     draft_vocab: int = 8192
+    depth2_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -226,6 +230,8 @@ class FeatureConfig:
             raise ValueError("feature.minutes / feature.max_steps must be >= 0 and not both 0")
         if self.batch_tokens < 16 or self.lr <= 0 or self.draft_vocab < 0 or self.noise < 0:
             raise ValueError("feature: batch_tokens >= 16, lr > 0, draft_vocab >= 0 and noise >= 0 are required")
+        if self.depth2_weight < 0:
+            raise ValueError(f"feature.depth2_weight must be >= 0 (0: depth 1 only), got {self.depth2_weight}")
 
 
 @dataclass

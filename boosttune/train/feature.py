@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 
 from boosttune.config import FeatureConfig, SSMInitConfig
 from boosttune.core.feature_head import FC_ATTR, new_fc, pair_inputs
+from boosttune.serving.runner import cache_keyword
 from boosttune.train.distill import Sample
 from boosttune.train.ssm_init import derive_ssm
 
@@ -82,11 +83,44 @@ def _batches(lengths: Sequence[int], batch_tokens: int, gen: torch.Generator) ->
     return [batches[i] for i in perm]
 
 
+def second_step(head: PreTrainedModel, cache, hidden: Tensor, tok: Tensor) -> Tensor:
+    """The head's second draft step at every pair, as serving drafts depth 2 (EAGLE-3's "training-time
+    test", Li et al. 2025, arXiv 2503.01840, §3: train the head on its own predictions, not only on the
+    LLM's features).
+
+    Serving feeds a depth-2 node as the pair (the head's predicted feature, its token) one position
+    after the last committed pair, attending to every committed pair and itself
+    (``serving/feature_drafter.py``). Here step-2 pair j = ``(hidden_j, token_{j+2})`` at position
+    j + 1 sees the teacher-forced pairs 0..j (``cache``, filled by the first step) and itself; its
+    output predicts ``F_{j+2}`` and ``token_{j+3}``.
+
+    Args:
+        head: the feature head.
+        cache: the first step's cache over the n teacher-forced pairs.
+        hidden: (B, n, H) the first step's outputs (predicted ``F_{j+1}``).
+        tok: (B, n) the first step's tokens (``token_{j+1}``).
+
+    Returns:
+        (B, n - 1, H) the second step's outputs for j = 0 .. n - 2.
+    """
+    b, n, _ = hidden.shape
+    m = n - 1
+    dev = hidden.device
+    inputs = pair_inputs(head, hidden[:, :m], tok[:, 1:].to(dev))
+    j = torch.arange(m, device=dev)
+    sees_cached = torch.arange(n, device=dev)[None, :] <= j[:, None]  # (m, n) pairs 0..j
+    mask = torch.cat([sees_cached, torch.eye(m, dtype=torch.bool, device=dev)], dim=1)  # (m, n + m)
+    pos = (j + 1).expand(b, m)
+    body = head.base_model
+    return body(inputs_embeds=inputs, attention_mask=mask.expand(b, 1, m, n + m), position_ids=pos,
+                use_cache=True, **{cache_keyword(body.forward): cache}).last_hidden_state
+
+
 def head_losses(
     head: PreTrainedModel, samples: Sequence[Sample], feats: Sequence[Tensor], rows: Tensor, noise: float,
-    gen: torch.Generator | None = None,
+    gen: torch.Generator | None = None, depth2: bool = False,
 ) -> dict[str, Tensor]:
-    """The two losses on one batch (and top-1 agreement with the LLM's argmax, a diagnostic).
+    """The losses on one batch (and top-1 agreement with the LLM's argmax, a diagnostic).
 
     Args:
         head: the feature head.
@@ -95,7 +129,10 @@ def head_losses(
         rows: (K,) the draft vocabulary's token ids.
         noise: half-width of the uniform input noise (0 for evaluation).
         gen: the noise's generator.
+        depth2: also the second draft step's losses (``reg2``, ``ce2``, ``top1_2``; :func:`second_step`).
     """
+    from transformers import DynamicCache
+
     b, width = len(samples), feats[0].shape[1]
     n = max(len(s.ids) for s in samples) - 1  # pairs of the longest sample
     f_in = torch.zeros(b, n, width)
@@ -116,17 +153,31 @@ def head_losses(
     dev = head.device
     inputs = pair_inputs(head, f_in.to(dev), tok.to(dev))
     pos = torch.arange(n, device=dev).expand(b, n)
-    hidden = head.base_model(inputs_embeds=inputs, attention_mask=attn.to(dev), position_ids=pos,
-                             use_cache=False).last_hidden_state  # (B, n, H)
-    valid, cont = valid.to(dev), cont.to(dev)
-    reg = F.smooth_l1_loss(hidden[valid].float(), f_out.to(dev)[valid])
-    w = head.get_output_embeddings().weight[rows.to(dev)]  # (K, H), frozen
-    pred = hidden[cont].float() @ w.float().T  # (C, K)
+    depth2 = depth2 and n > 1
+    cache = DynamicCache(config=head.config) if depth2 else None
+    body = head.base_model
+    hidden = body(inputs_embeds=inputs, attention_mask=attn.to(dev), position_ids=pos, use_cache=depth2,
+                  **{cache_keyword(body.forward): cache}).last_hidden_state  # (B, n, H)
+    valid, cont, f_out = valid.to(dev), cont.to(dev), f_out.to(dev)
+    w = head.get_output_embeddings().weight[rows.to(dev)].float()  # (K, H), frozen
+    out = _step_losses(hidden, f_out, valid, cont, w, "")
+    if depth2:  # step-2 pair j predicts F_{j+2}: pair j + 1's target
+        second = second_step(head, cache, hidden, tok)
+        out |= _step_losses(second, f_out[:, 1:], valid[:, 1:], cont[:, 1:], w, "2")
+    return out
+
+
+def _step_losses(hidden: Tensor, f_out: Tensor, valid: Tensor, cont: Tensor, w: Tensor, suffix: str) -> dict[str, Tensor]:
+    """``reg``, ``ce`` and ``top1`` (each name + ``suffix``) of one draft step's (B, n, H) outputs against
+    the LLM's next features ``f_out``; ``valid``: real pairs, ``cont``: pairs predicting the continuation."""
+    reg = F.smooth_l1_loss(hidden[valid].float(), f_out[valid])
+    pred = hidden[cont].float() @ w.T  # (C, K)
     with torch.no_grad():
-        target = torch.softmax(f_out.to(dev)[cont] @ w.float().T, dim=-1)
+        target = torch.softmax(f_out[cont] @ w.T, dim=-1)
     ce = -(target * torch.log_softmax(pred, dim=-1)).sum(-1).mean()
     top1 = (pred.argmax(-1) == target.argmax(-1)).float().mean()
-    return {"reg": reg, "ce": ce, "top1": top1.detach()}
+    sep = "_" if suffix else ""
+    return {f"reg{suffix}": reg, f"ce{suffix}": ce, f"top1{sep}{suffix}": top1.detach()}
 
 
 def train_head(
@@ -158,8 +209,11 @@ def train_head(
         scale = (step + 1) / warm if step < warm else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / horizon)))
         for g in opt.param_groups:
             g["lr"] = cfg.lr * scale
-        losses = head_losses(head, [samples[i] for i in idx], [feats[i] for i in idx], rows, cfg.noise, gen)
+        losses = head_losses(head, [samples[i] for i in idx], [feats[i] for i in idx], rows, cfg.noise, gen,
+                             depth2=cfg.depth2_weight > 0)
         loss = cfg.reg_weight * losses["reg"] + cfg.ce_weight * losses["ce"]
+        if "ce2" in losses:
+            loss = loss + cfg.depth2_weight * (cfg.reg_weight * losses["reg2"] + cfg.ce_weight * losses["ce2"])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -176,18 +230,21 @@ def train_head(
 
 @torch.no_grad()
 def evaluate_head(head: PreTrainedModel, samples: Sequence[Sample], feats: Sequence[Tensor], rows: Tensor) -> dict:
-    """Held-out losses and top-1 agreement with the LLM over the draft vocabulary (teacher-forced
-    features: depth 1)."""
+    """Held-out losses and top-1 agreement with the LLM over the draft vocabulary: at depth 1 from the
+    LLM's features (``reg``, ``ce``, ``top1``), at depth 2 from the head's own (``reg2``, ``ce2``,
+    ``top1_2``; whether or not it trained for depth 2)."""
     was = head.training
     head.eval()
-    out = {"reg": 0.0, "ce": 0.0, "top1": 0.0}
-    n = 0
+    out = {"reg": 0.0, "ce": 0.0, "top1": 0.0, "reg2": 0.0, "ce2": 0.0, "top1_2": 0.0}
+    n = n2 = 0
     for s, f in zip(samples, feats, strict=True):
         if len(s.ids) - s.prompt_len < 2:
             continue
-        losses = head_losses(head, [s], [f], rows, 0.0)
-        for k in out:
-            out[k] += float(losses[k])
+        second = len(s.ids) - s.prompt_len >= 3  # depth 2 needs a second continuation token to guess
+        losses = head_losses(head, [s], [f], rows, 0.0, depth2=second)
+        for k, v in losses.items():
+            out[k] += float(v)
         n += 1
+        n2 += second
     head.train(was)
-    return {k: round(v / max(1, n), 4) for k, v in out.items()}
+    return {k: round(v / max(1, n2 if k.endswith("2") else n), 4) for k, v in out.items()}
