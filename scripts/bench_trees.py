@@ -3,14 +3,17 @@
 interleaved question by question in one process, so that load from other jobs hits all alike.
 
 Each shape is ``NAME=WIDTHS`` or ``NAME=WIDTHS:LOOKUP`` (expansion widths; LOOKUP > 0 merges prompt
-lookup with up to that many tokens; ``NAME=lookup:N`` is prompt lookup alone). Every shape uses all
+lookup with up to that many tokens; ``NAME=lookup:N`` is prompt lookup alone), or
+``NAME=dyn:TOPK,DEPTH,BUDGET`` (EAGLE-2's dynamic tree, ``serving/builders.py``: the TOPK likeliest
+nodes of each depth expanded by TOPK children, DEPTH levels, the BUDGET likeliest nodes kept). Every shape uses all
 ``--ssm`` drafters (SSMs or feature heads). Prints a markdown table: tokens/s, speed-up over plain
 decoding, τ (tokens per LLM forward after the prefill, as `boosttune bench` counts it) and how many answers equal plain decoding's
 (greedy: all of them must).
 
 Usage:
     python scripts/bench_trees.py --ssm runs/hour/ssms/feature --draft-vocab 8192 --draft-ranking runs/hour \\
-        --questions ../shared/data/mt_bench/question.jsonl --limit 10 w1=1 w3=3 w21=2,1 w3L=3:8 L=lookup:8
+        --questions ../shared/data/mt_bench/question.jsonl --limit 10 w1=1 w3=3 w21=2,1 w3L=3:8 L=lookup:8 \\
+        d4=dyn:3,2,4
 """
 
 from __future__ import annotations
@@ -31,11 +34,20 @@ from boosttune.serving.stops import StopCriteria
 
 
 def parse_shape(text: str) -> tuple[str, tuple[int, ...], int]:
-    """``NAME=1,2`` / ``NAME=1,2:8`` / ``NAME=lookup:8`` → (name, widths (empty: no drafters), lookup)."""
+    """``NAME=1,2`` / ``NAME=1,2:8`` / ``NAME=lookup:8`` → (name, widths (empty: no drafters), lookup);
+    ``NAME=dyn:3,2,4`` → (name, ("dyn", topk, depth, budget), 0)."""
     name, sep, spec = text.partition("=")
     if not sep or not name:
         raise ValueError(f"shape {text!r}: expected NAME=WIDTHS[:LOOKUP] or NAME=lookup:N, e.g. w3=3 or w3L=3:8")
     widths, _, lookup = spec.partition(":")
+    if widths == "dyn":
+        try:
+            dyn = int_list(lookup)
+        except (ValueError, argparse.ArgumentTypeError):
+            dyn = ()
+        if len(dyn) != 3 or min(dyn) < 1:
+            raise ValueError(f"shape {text!r}: a dynamic tree is NAME=dyn:TOPK,DEPTH,BUDGET, e.g. d4=dyn:3,2,4")
+        return name, ("dyn", *dyn), 0
     try:
         look = int(lookup) if lookup else 0
         shape = () if widths == "lookup" else int_list(widths)
@@ -44,6 +56,13 @@ def parse_shape(text: str) -> tuple[str, tuple[int, ...], int]:
     if not shape and not look:
         raise ValueError(f"shape {text!r}: prompt lookup alone needs a length, e.g. {name}=lookup:8")
     return name, shape, look
+
+
+def tree_of(shape: tuple, draft_vocab: int) -> TreeConfig:
+    """The tree a parsed shape names (no widths: a placeholder for prompt lookup alone)."""
+    if shape and shape[0] == "dyn":
+        return TreeConfig(kind="dynamic", topk=shape[1], depth=shape[2], budget=shape[3], draft_vocab=draft_vocab)
+    return TreeConfig(widths=shape or (1,), draft_vocab=draft_vocab)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     llm, ssms = load_llm_and_ssms(args.llm, args.ssm, torch.float32)
     drafters = [s.model for s in ssms]  # named ssm-1 .. as runs and bundles name them
     engines = {
-        name: engine_from_models(llm.model, drafters if widths else [],
-                                 TreeConfig(widths=widths or (1,), draft_vocab=args.draft_vocab), ranking, look)
+        name: engine_from_models(llm.model, drafters if widths else [], tree_of(widths, args.draft_vocab), ranking, look)
         for name, widths, look in shapes
     }
     prompts = read_prompts(args.questions)[: args.limit or None]
@@ -103,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         tps = tokens[name] / seconds[name]
         tau = tokens[name] / steps[name] if steps[name] else float("nan")  # as `boosttune bench` counts it
         label = f"{name} ({','.join(map(str, widths)) or '-'}{f' + lookup {look}' if look else ''})"
+        if widths and widths[0] == "dyn":
+            label = f"{name} (dynamic: top {widths[1]}, depth {widths[2]}, budget {widths[3]})"
         print(f"| {label} | {tps:.2f} | {tps / plain_tps:.2f}× | {tau:.2f} | {int(same[name])}/{len(encoded)} |")
     return 0
 

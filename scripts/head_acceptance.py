@@ -11,11 +11,15 @@ prints, per head, how often the LLM's next token is the head's first guess and a
 reach on these answers: the answers walked step by step, one token per step plus one more when the
 LLM's token was among the children, all answers' tokens over all their steps. That τ equals what `boosttune bench` measures with widths
 [``--top``] when the features agree exactly (fp32: up to rounding between the batched decoder and the
-engine's verification).
+engine's verification). With ``--second N`` it also gives each first-level child N children of its own,
+drafted from the head's predicted feature as serving drafts depth 2 (``train/feature.py``
+``second_step``): it prints how often the child that held the LLM's token also held the next one among
+its N, and the τ of widths [``--top``, N].
 
 Usage:
     python scripts/head_acceptance.py runs/hour/ssms/feature runs/hour3/ssms/feature \\
-        --questions ../shared/data/mt_bench/question.jsonl --limit 80 --draft-vocab 8192 --draft-ranking runs/hour
+        --questions ../shared/data/mt_bench/question.jsonl --limit 80 --draft-vocab 8192 --draft-ranking runs/hour \\
+        [--second 1]
 """
 
 from __future__ import annotations
@@ -23,35 +27,55 @@ from __future__ import annotations
 import argparse
 
 import torch
+from transformers import DynamicCache
 
 from boosttune.core.feature_head import is_feature_head, pair_inputs
 from boosttune.core.models import eos_token_ids, load_llm_and_ssms, model_vocab_size
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.serving.draft_vocab import head_ids, ranking_for
+from boosttune.serving.runner import cache_keyword
 from boosttune.train.batched_decode import decode_batch
+from boosttune.train.feature import second_step
 
 
-def walked_steps(hits: list[bool]) -> int:
+def walked_steps(hits: list[bool], hits2: list[bool] | None = None) -> int:
     """LLM steps after the prefill to commit an answer: a step starting at answer token i commits it,
-    plus the next one when the head's children held token i (``hits[i]``)."""
+    plus the next one when the head's first-level children held token i (``hits[i]``), plus the one
+    after that when the child holding token i also held token i + 1 among its own (``hits2[i]``)."""
     pos, steps = 0, 0
     while pos < len(hits):
         steps += 1
-        pos += 1 + hits[pos]
+        pos += 1 + hits[pos] + (hits[pos] and hits2 is not None and hits2[pos])
     return steps
 
 
+def _top(hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """(n, k) token ids of the k best guesses over the draft vocabulary ``rows``."""
+    logits = hidden.float() @ weight[rows].float().T
+    return rows[logits.topk(min(k, len(rows)), -1).indices]
+
+
 @torch.no_grad()
-def head_hits(head, features: torch.Tensor, ids: list[int], prompt_len: int, rows: torch.Tensor, top: int):
-    """(first-guess hits, top-``top`` hits) per answer token, as bool tensors."""
+def head_hits(head, features: torch.Tensor, ids: list[int], prompt_len: int, rows: torch.Tensor, top: int,
+              second: int = 0):
+    """Per answer token i, as bool tensors: whether it is the head's first guess, among its ``top``
+    guesses, and (``second`` > 0) whether token i + 1 is among the ``second`` guesses of the depth-2 node
+    holding token i (False for the last token)."""
     m = len(ids) - 1  # pairs (feature i, token i + 1) → the LLM's token i + 2
-    inputs = pair_inputs(head, features[:m].float()[None], torch.tensor(ids[1:])[None])
-    hidden = head.base_model(inputs_embeds=inputs, use_cache=False).last_hidden_state[0]
+    tok = torch.tensor(ids[1:])[None]
+    inputs = pair_inputs(head, features[:m].float()[None], tok)
+    body = head.base_model
+    cache = DynamicCache(config=head.config) if second else None
+    hidden = body(inputs_embeds=inputs, use_cache=bool(second), **{cache_keyword(body.forward): cache}).last_hidden_state
     lo = prompt_len - 2  # the feature before the last prompt token, and that token: the first answer token
-    logits = hidden[lo : m - 1].float() @ head.get_output_embeddings().weight[rows].float().T
-    guesses = rows[logits.topk(min(top, len(rows)), -1).indices]  # (n, top) token ids
+    weight = head.get_output_embeddings().weight
+    guesses = _top(hidden[0, lo : m - 1], weight, rows, top)  # (n, top)
     target = torch.tensor(ids[lo + 2 :])
-    return guesses[:, 0] == target, (guesses == target[:, None]).any(-1)
+    hits2 = torch.zeros_like(target, dtype=torch.bool)
+    if second and m > 1:  # step-2 pair j reads (the head's feature at j, token j + 2) → token j + 3
+        nodes = _top(second_step(head, cache, hidden, tok)[0, lo : m - 2], weight, rows, second)  # (n - 1, second)
+        hits2[:-1] = (nodes == target[1:, None]).any(-1)
+    return guesses[:, 0] == target, (guesses == target[:, None]).any(-1), hits2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,10 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-vocab", type=int, default=0)
     p.add_argument("--draft-ranking", default=None, help="draft_vocab.json or its run (default: next to the first head)")
     p.add_argument("--top", type=int, default=3, help="children of the one-level tree (default 3)")
+    p.add_argument("--second", type=int, default=0, metavar="N",
+                   help="also a second level: N children under each first-level child (0: one level; default)")
     p.add_argument("--batch-size", type=int, default=96, help="answers written at once")
     args = p.parse_args(argv)
-    if args.top < 1:
-        p.error("--top must be >= 1")
+    if args.top < 1 or args.second < 0:
+        p.error("--top must be >= 1 and --second >= 0")
     llm, heads = load_llm_and_ssms(args.llm, args.heads, torch.float32)
     for ref, h in zip(args.heads, heads, strict=True):
         if not is_feature_head(h.model):
@@ -83,17 +109,25 @@ def main(argv: list[str] | None = None) -> int:
         out = decode_batch(llm.model, batch, args.max_new_tokens, eos, llm.tokenizer.pad_token_id or 0, features=True)
         answers += list(zip(batch, out.tokens, out.features, strict=True))
     print(f"{len(answers)} answers, {sum(len(t) for _, t, _ in answers)} tokens, draft vocabulary {args.draft_vocab or 'full'}")
-    print(f"| head | positions | top-1 | top-{args.top} | τ, one level of {args.top} |\n|---|---|---|---|---|")
+    two = f" | depth 2 top-{args.second} after a hit | τ, widths {args.top},{args.second}" if args.second else ""
+    print(f"| head | positions | top-1 | top-{args.top} | τ, one level of {args.top}{two} |\n"
+          f"|---|---|---|---|---|{'---|---|' if two else ''}")
+    total = sum(len(t) for _, t, _ in answers)
     for ref, h in zip(args.heads, heads, strict=True):
         h.model.eval()
-        first = any_ = n = steps = 0
+        first = any_ = n = steps = hit = both = steps2 = 0
         for prompt, tokens, feats in answers:
             if tokens and len(prompt) >= 2:  # the first guess reads the token before the last
-                one, some = head_hits(h.model, feats, list(prompt) + list(tokens), len(prompt), rows, args.top)
+                one, some, deep = head_hits(h.model, feats, list(prompt) + list(tokens), len(prompt), rows, args.top,
+                                            args.second)
                 first, any_, n = first + int(one.sum()), any_ + int(some.sum()), n + len(one)
                 steps += walked_steps(some.tolist())
-        tau = sum(len(t) for _, t, _ in answers) / max(steps, 1)  # tokens per step, as `boosttune bench` counts
-        print(f"| {ref} | {n} | {first / max(n, 1):.3f} | {any_ / max(n, 1):.3f} | {tau:.2f} |")
+                hit, both = hit + int(some[:-1].sum()), both + int((some[:-1] & deep[:-1]).sum())
+                steps2 += walked_steps(some.tolist(), deep.tolist())
+        row = f"| {ref} | {n} | {first / max(n, 1):.3f} | {any_ / max(n, 1):.3f} | {total / max(steps, 1):.2f} |"
+        if args.second:  # tokens per step, as `boosttune bench` counts
+            row += f" {both / max(hit, 1):.3f} | {total / max(steps2, 1):.2f} |"
+        print(row)
     return 0
 
 

@@ -174,24 +174,24 @@ def test_bench_trees_script_prints_every_shape_identical_to_plain(tiny_dirs, cap
     bench_trees = _bench_trees()
     rc = bench_trees.main([
         "--llm", str(tiny_dirs / "llm"), "--ssm", str(tiny_dirs / "ssm"), "--questions", str(MT_BENCH),
-        "--limit", "2", "--max-new-tokens", "10", "w1=1", "w21L=2,1:4", "L=lookup:4",
+        "--limit", "2", "--max-new-tokens", "10", "w1=1", "w21L=2,1:4", "L=lookup:4", "d=dyn:2,2,3",
     ])
     out = capsys.readouterr().out
     assert rc == 0
-    rows = [line for line in out.splitlines() if line.startswith("| w1 ") or line.startswith("| w21L ")
-            or line.startswith("| L ")]
-    assert len(rows) == 3 and all(row.endswith("| 2/2 |") for row in rows), out
-    assert "2,1 + lookup 4" in out
+    rows = [line for line in out.splitlines() if line.split(" ")[:2] in (["|", "w1"], ["|", "w21L"], ["|", "L"], ["|", "d"])]
+    assert len(rows) == 4 and all(row.endswith("| 2/2 |") for row in rows), out
+    assert "2,1 + lookup 4" in out and "dynamic: top 2, depth 2, budget 3" in out
 
 
-@pytest.mark.parametrize("bad", ["w1", "=1", "w=a,b", "w=lookup"])
+@pytest.mark.parametrize("bad", ["w1", "=1", "w=a,b", "w=lookup", "d=dyn:3,2", "d=dyn:3,0,4", "d=dyn:a"])
 def test_bench_trees_refuses_a_malformed_shape(bad):
     with pytest.raises(ValueError, match="shape"):
         _bench_trees().parse_shape(bad)
 
 
 def test_head_acceptance_predicts_the_tau_the_engine_measures(tmp_path, capsys):
-    """The script's τ for one level of 3 children is the engine's on the same answers (fp32)."""
+    """The script's τ for one level of 3 children, and for a second level of one child under each, is
+    the engine's on the same answers (fp32)."""
     from boosttune.config import FeatureConfig
     from boosttune.core.feature_head import save_head
     from boosttune.core.models import load_model, model_vocab_size, tiny_model_dir
@@ -213,13 +213,17 @@ def test_head_acceptance_predicts_the_tau_the_engine_measures(tmp_path, capsys):
     save_head(head.eval(), tmp_path / "head")
     llm.tokenizer.save_pretrained(tmp_path / "head")
     common = ["--llm", str(tiny_model_dir()), "--questions", str(MT_BENCH), "--limit", "3", "--max-new-tokens", "24"]
-    assert _script("head_acceptance").main([str(tmp_path / "head"), *common, "--top", "3"]) == 0
+    assert _script("head_acceptance").main([str(tmp_path / "head"), *common, "--top", "3", "--second", "1"]) == 0
     row = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {tmp_path / 'head'} ")]
-    predicted = float(row[0].split("|")[5])
-    assert _bench_trees().main(["--ssm", str(tmp_path / "head"), *common, "w3=3"]) == 0
-    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| w3 ")]
-    measured = float(row[0].split("|")[4])
-    assert measured > 1.2 and row[0].endswith("| 3/3 |"), (predicted, row)
+    predicted = {"w3": float(row[0].split("|")[5]), "w31": float(row[0].split("|")[7])}
+    assert _bench_trees().main(["--ssm", str(tmp_path / "head"), *common, "w3=3", "w31=3,1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    measured = {}
+    for name in predicted:
+        row = [line for line in out if line.startswith(f"| {name} ")]
+        assert row[0].endswith("| 3/3 |"), row
+        measured[name] = float(row[0].split("|")[4])
+    assert measured["w3"] > 1.2 and measured["w31"] > measured["w3"], measured
     assert predicted == measured
 
 
@@ -229,3 +233,7 @@ def test_head_acceptance_walks_steps_of_one_or_two_tokens():
     assert walked([False, False, False]) == 3
     assert walked([True, True, True, True]) == 2  # each step commits its draft and the LLM's next token
     assert walked([True, False, True]) == 2  # position 1 is committed by the first step's LLM token
+    # a second level: a step commits up to three tokens when the child holding token i also held i + 1
+    assert walked([True, True, True, True], [True, False, False, False]) == 2  # 3 tokens, then 2 (0..2, 3)
+    assert walked([True, True, True, True], [False] * 4) == 2
+    assert walked([False, True, True], [True, True, False]) == 2  # no first-level hit: no second level

@@ -9,6 +9,10 @@ SSM as a Hugging Face model folder for vLLM, SGLang and transformers assisted ge
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from boosttune.export import Choice
 
 FORMATS = ("bundle", "hf", "gguf")
 
@@ -89,7 +93,7 @@ def _export_bundle(args: argparse.Namespace) -> int:
     return 0
 
 
-def _choice_line(choice) -> str:
+def _choice_line(choice: Choice) -> str:
     """Why export shipped the drafters it chose, with what it left out."""
     others = ", ".join(f"{label} {s:.2f}x" for label, s in sorted(choice.others.items(), key=lambda kv: -kv[1]))
     line = (f"drafters {', '.join(choice.drafters)}: fastest in the run's evaluation, "
