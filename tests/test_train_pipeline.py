@@ -296,7 +296,8 @@ def test_feature_head_trains_after_the_ssms_and_is_evaluated(tmp_path: Path) -> 
     feature = report["feature"]
     assert feature["train"]["steps"] == 4 and feature["samples"] == 48 and feature["held_out_samples"] == 12
     assert feature["recorded_by_teacher"] == 60  # the teacher kept the features: no second pass
-    assert set(feature["held_out"]) == {"reg", "ce", "top1"}
+    assert set(feature["held_out"]) == {"reg", "ce", "top1", "reg2", "ce2", "top1_2"}  # depth 1, and depth 2 from its own features
+    assert 0 <= feature["held_out"]["top1_2"] <= 1
     from boosttune.core.feature_head import is_feature_head
     from boosttune.core.models import load_model
 

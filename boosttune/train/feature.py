@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from boosttune.config import FeatureConfig, SSMInitConfig
 from boosttune.core.feature_head import FC_ATTR, new_fc, pair_inputs
@@ -131,8 +131,6 @@ def head_losses(
         gen: the noise's generator.
         depth2: also the second draft step's losses (``reg2``, ``ce2``, ``top1_2``; :func:`second_step`).
     """
-    from transformers import DynamicCache
-
     b, width = len(samples), feats[0].shape[1]
     n = max(len(s.ids) for s in samples) - 1  # pairs of the longest sample
     f_in = torch.zeros(b, n, width)
