@@ -7,8 +7,9 @@ lookup with up to that many tokens; ``NAME=lookup:N`` is prompt lookup alone), o
 ``NAME=dyn:TOPK,DEPTH,BUDGET`` (EAGLE-2's dynamic tree, ``serving/builders.py``: the TOPK likeliest
 nodes of each depth expanded by TOPK children, DEPTH levels, the BUDGET likeliest nodes kept). Every shape uses all
 ``--ssm`` drafters (SSMs or feature heads). Prints a markdown table: tokens/s, speed-up over plain
-decoding, τ (tokens per LLM forward after the prefill, as `boosttune bench` counts it) and how many answers equal plain decoding's
-(greedy: all of them must).
+decoding, τ (tokens per LLM forward after the prefill, as `boosttune bench` counts it), how many answers equal plain decoding's
+(greedy in fp32: all of them must), and per step the median tree size, drafting and verification milliseconds
+(plain: milliseconds per token, prefill included).
 
 Usage:
     python scripts/bench_trees.py --ssm runs/hour/ssms/feature --draft-vocab 8192 --draft-ranking runs/hour \\
@@ -19,13 +20,14 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 import torch
 
 from boosttune.assemble import engine_from_models
 from boosttune.cli.flags import int_list
-from boosttune.core.models import eos_token_ids, load_llm_and_ssms
+from boosttune.core.models import dtype_name, eos_token_ids, load_llm_and_ssms, parse_dtype
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
@@ -76,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--dtype", default="fp32", help="fp32 (default), bf16 or auto, for the LLM and (unless --ssm-dtype) the drafters")
+    p.add_argument("--ssm-dtype", default=None, help="dtype of the drafters (default: --dtype)")
     args = p.parse_args(argv)
     try:
         shapes = [parse_shape(s) for s in args.shapes]
@@ -86,7 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     ranking = ranking_for(args.draft_vocab, args.draft_ranking, args.ssm)
-    llm, ssms = load_llm_and_ssms(args.llm, args.ssm, torch.float32)
+    try:
+        dtype = parse_dtype(args.dtype)
+        ssm_dtype = parse_dtype(args.ssm_dtype) if args.ssm_dtype else dtype
+    except ValueError as e:
+        p.error(str(e))
+    llm, ssms = load_llm_and_ssms(args.llm, args.ssm, dtype, ssm_dtype)
     drafters = [s.model for s in ssms]  # named ssm-1 .. as runs and bundles name them
     engines = {
         name: engine_from_models(llm.model, drafters if widths else [], tree_of(widths, args.draft_vocab), ranking, look)
@@ -102,28 +111,37 @@ def main(argv: list[str] | None = None) -> int:
         engine.generate(encoded[0], warm)
     names = ["plain", *engines]
     seconds, tokens, steps, same = (dict.fromkeys(names, 0.0) for _ in range(4))
+    draft_ms: dict[str, list[float]] = {name: [] for name in engines}  # per step after the first
+    verify_ms: dict[str, list[float]] = {name: [] for name in engines}
+    nodes: dict[str, list[int]] = {name: [] for name in engines}
     for i, ids in enumerate(encoded, 1):
         base = incremental_generate(llm.model, ids, stop)
         seconds["plain"] += base.wall_time
         tokens["plain"] += len(base.tokens)
         for name, engine in engines.items():
-            res = engine.generate(ids, stop)
+            res = engine.generate(ids, stop, record=True)
+            draft_ms[name] += [1e3 * sum(r.draft_s) for r in res.records[1:]]  # step 1 catches up on the prompt
+            verify_ms[name] += [1e3 * r.verify_s for r in res.records]
+            nodes[name] += [r.nodes for r in res.records]
             seconds[name] += res.wall_time
             tokens[name] += len(res.tokens)
             steps[name] += len(res.accept_lengths)
             same[name] += res.tokens == base.tokens
         print(f"question {i}/{len(encoded)} done", file=sys.stderr, flush=True)
     plain_tps = tokens["plain"] / seconds["plain"]
-    print(f"{len(encoded)} questions, {args.max_new_tokens} new tokens, fp32, drafters: {', '.join(args.ssm) or 'none'}")
-    print("| shape | tok/s | speed-up | τ | = plain |\n|---|---|---|---|---|")
-    print(f"| plain | {plain_tps:.2f} | 1.00× | 1.00 | |")
+    print(f"{len(encoded)} questions, {args.max_new_tokens} new tokens, LLM {dtype_name(dtype)}, drafters "
+          f"{dtype_name(ssm_dtype)}: {', '.join(args.ssm) or 'none'}")
+    print("| shape | tok/s | speed-up | τ | = plain | nodes | draft ms | verify ms |\n|---|---|---|---|---|---|---|---|")
+    print(f"| plain | {plain_tps:.2f} | 1.00× | 1.00 | | 0 | 0 | {1e3 / plain_tps:.1f} per token |")
     for name, widths, look in shapes:
         tps = tokens[name] / seconds[name]
         tau = tokens[name] / steps[name] if steps[name] else float("nan")  # as `boosttune bench` counts it
         label = f"{name} ({','.join(map(str, widths)) or '-'}{f' + lookup {look}' if look else ''})"
         if widths and widths[0] == "dyn":
             label = f"{name} (dynamic: top {widths[1]}, depth {widths[2]}, budget {widths[3]})"
-        print(f"| {label} | {tps:.2f} | {tps / plain_tps:.2f}× | {tau:.2f} | {int(same[name])}/{len(encoded)} |")
+        med = [statistics.median(x) if x else 0.0 for x in (nodes[name], draft_ms[name], verify_ms[name])]
+        print(f"| {label} | {tps:.2f} | {tps / plain_tps:.2f}× | {tau:.2f} | {int(same[name])}/{len(encoded)} | "
+              f"{med[0]:.0f} | {med[1]:.1f} | {med[2]:.1f} |")
     return 0
 
 

@@ -1,42 +1,39 @@
-"""Pick, per Linear weight shape, the faster CPU GEMM layout for inputs of a few rows.
+"""Faster CPU matrix products for inference: ``nn.Linear`` layers with weights pre-packed for oneDNN.
 
 Shape legend: R rows fed at once (the product of an input's leading dimensions), I in_features,
 O out_features.
 
-Tree verification feeds the LLM R = 2..32 tokens in one forward. On the CPU this project was
-measured on (AMD EPYC, AVX2 only, 2 threads, torch 2.13 with MKL, fp32), ``F.linear(x, W)``
-(= x @ W.T) with so few rows is much slower than the equal ``(W @ x.T).T``: MKL's skinny-GEMM
-path handles the first form badly on this CPU. Measured on this machine, SmolLM2-135M's LM head
-(W 49152 x 576): R = 1 ~9-13 ms either way; R = 2..4 x @ W.T 22-26 ms, W @ x.T 7.4 ms; R = 8
-29.6 vs 13.9 ms. Forcing the second form on every Linear of SmolLM2-135M for 2..32 rows took a
-whole forward (200 cached tokens) from 125.8 to 98.0 ms at T = 2, 124.4 -> 106.9 at T = 4 and
-159.6 -> 123.2 at T = 16, T = 1 unchanged (~74-88 ms; a busy machine, so the figures are noisy).
+Speculative decoding is bounded by how the LLM's forward cost grows with the tokens it verifies at
+once (R = 1 for a plain step, 2..32 for a tree), and by what a one-token step costs at all.
+torch's ``F.linear`` hands fp32 products to MKL, which on the CPUs of this project handles few rows
+badly; bf16 products go to oneDNN unpacked, re-laying the weight out every call. Measured on one
+machine (AMD EPYC with AVX512-BF16, 2 threads, torch 2.13), all of SmolLM2-135M's Linear weights
+(30 layers and the 49,152-row head) once, median ms:
 
-Which form wins on one weight in isolation depends on the shape and on R in no simple way (for the
-576-wide body layers the transposed form wins at R <= 4 and at R = 16 and 32, and loses in
-between); with ``auto`` :func:`install` times both at load time, per distinct (O, I, dtype, bias, threads), and swaps the model's
-``nn.Linear`` modules for :class:`SkinnyLinear`, which uses the transposed form only for the row
-counts where it was measurably faster. Everything else stays ``F.linear``: 1 row, more than
-``MAX_ROWS`` rows, grad mode on (training and autograd see plain ``nn.Linear`` behaviour), inputs
-off the CPU (a model moved to a GPU later) and dtype mismatches.
+| rows R | 1 | 2 | 4 | 8 | 16 | 32 |
+|---|---|---|---|---|---|---|
+| fp32 ``F.linear`` | 37.3 | 57.8 | 52.6 | 48.8 | 62.3 | 85.0 |
+| fp32 packed | 16.0 | 17.1 | 15.9 | 19.2 | 24.8 | 36.0 |
+| bf16 ``F.linear`` | 13.4 | 14.0 | 15.3 | 14.9 | 18.0 | 23.9 |
+| bf16 packed | 9.9 | 9.8 | 9.4 | 11.2 | 12.7 | 18.7 |
 
-Calibration is bounded: each key gets about ``_BUDGET_S`` seconds; row counts are timed coarse to
-fine (2, 4, 8, 16, 32, then 3, 6, 12, 24, then the rest) and an untimed count takes the choice of
-the nearest timed one, so a cheap layer is timed at every count and the 49152-row head at a few.
-Choices are cached per process, so models sharing shapes (an LLM and its SSMs) calibrate once, and
-a later change of ``torch.get_num_threads()`` recalibrates lazily at the next few-row forward.
-The timings use hot caches for the small layers, whereas a real forward streams their weights from
-memory; the choice is a heuristic and never changes results beyond fp32 rounding.
+So :class:`CpuLinear` (what :func:`install` turns a model's ``nn.Linear`` layers into) packs its
+weight once into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, the op
+torch's own inductor uses when it freezes CPU models) and multiplies with
+``torch.ops.mkldnn._linear_pointwise``. The packed copy is made at the first inference call and
+again whenever the weight changes (its version counter), so a model trained between evaluations
+packs its new weights. Grad mode (training, autograd), inputs off the CPU, dtype mismatches and
+dtypes other than fp32 and bf16 keep ``F.linear``. The packed weight is a second copy of the
+weight (SmolLM2-135M fp32: +540 MB).
 
-The timed choice proved a poor predictor of whole forwards (helper's bench, quiet machine,
-SmolLM2-135M fp32, 200 cached tokens; ms off / timed / transposed everywhere: T = 2 106.8 / 109.0 /
-75.3, T = 4 121.5 / 81.5 / 80.9, T = 16 170.1 / 153.0 / 139.7), so the default takes the transposed
-form for every fp32 weight at 2..MAX_ROWS rows without timing, and leaves other dtypes (bf16 on
-AMX CPUs, not measured here) to ``F.linear``.
+Where oneDNN cannot (a torch built without it, bf16 on a CPU without native bf16), fp32 layers fall
+back to the *transposed* form: ``(W @ x.T).T`` for 2..32 rows, which MKL computes much faster than
+``x @ W.T`` on the AVX2-only EPYC this project was measured on earlier (SmolLM2's LM head at 2..4
+rows: 7.4 ms against 22-26 ms). Results differ from ``F.linear`` only by fp32 (bf16) rounding.
 
-Environment ``BOOSTTUNE_CPU_LINEAR``: unset or ``fp32`` is the default above; ``0`` turns it off
-(``install`` leaves the model alone); ``1`` uses the transposed form for every dtype; ``auto``
-times both forms per shape at load.
+Environment ``BOOSTTUNE_CPU_LINEAR``: unset is ``packed`` where oneDNN can, else ``transposed``;
+``packed`` or ``transposed`` asks for one (``packed`` falls back like the default); ``0`` or ``off``
+leaves models alone. Read when :func:`install` runs.
 """
 
 from __future__ import annotations
@@ -51,29 +48,43 @@ from torch import Tensor, nn
 
 ENV_VAR = "BOOSTTUNE_CPU_LINEAR"
 MAX_ROWS = 32
-"""Largest row count that may take the transposed form (a verification tree's size)."""
+"""Largest row count that takes the transposed form (a verification tree's size)."""
+PACK_HINT = 8
+"""The row count oneDNN's packed layout is chosen for (verification trees feed 2..32 rows; a
+layout chosen for 8 was as fast at 1 and at 192 rows as one chosen for those, and a layout chosen
+for 192 rows was 100x slower at one row in fp32)."""
 
-_BUDGET_S = 0.1  # calibration time per key, about; the last probe may overrun it
-_MARGIN = 0.95  # the transposed form must be 5% faster: ties keep F.linear
-_CHEAP_S = 2e-3  # a pair of calls cheaper than this is timed three times (noise), else once or twice
-_AMBIGUOUS = (0.8, 1.25)  # a single timing whose ratio falls here is repeated
-_PROBE_ORDER = (2, 4, 8, 16, 32, 3, 6, 12, 24) + tuple(
-    r for r in range(5, MAX_ROWS + 1) if r not in (2, 4, 8, 16, 32, 3, 6, 12, 24)
-)
-_ALL_ROWS = frozenset(range(2, MAX_ROWS + 1))
-
-_Key = tuple[int, int, torch.dtype, bool, int]
-_CHOICES: dict[_Key, frozenset[int]] = {}  # process-wide: the CPU is too
+MODES = ("packed", "transposed", "off")
 
 
 def layout_mode() -> str:
-    """``"off"``, ``"on"`` or ``"auto"`` from ``BOOSTTUNE_CPU_LINEAR``."""
+    """``"packed"``, ``"transposed"`` or ``"off"`` from ``BOOSTTUNE_CPU_LINEAR`` (unset: ``packed``)."""
     value = os.environ.get(ENV_VAR, "").strip().lower()
-    modes = {"0": "off", "1": "on", "": "fp32", "fp32": "fp32", "auto": "auto"}
+    modes = {"": "packed", "packed": "packed", "transposed": "transposed", "0": "off", "off": "off"}
     if value not in modes:
-        raise ValueError(f"{ENV_VAR}={value!r}: use 0 (off), 1 (always on), fp32 (the default: fp32 weights "
-                         "only) or auto (timed at load)")
+        raise ValueError(f"{ENV_VAR}={value!r}: use packed (the default: oneDNN-packed weights), transposed "
+                         "(fp32 few-row inputs as (W @ x.T).T) or 0 (off)")
     return modes[value]
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    """Whether oneDNN multiplies CPU ``dtype`` weights packed here (fp32 always where torch has
+    oneDNN; bf16 where the CPU has native bf16)."""
+    if not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack(weight: Tensor) -> Tensor:
+    """``weight`` (O, I) in oneDNN's blocked layout, for :func:`packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT)
+
+
+def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` with ``packed = pack(weight)``; returns a contiguous (..., O)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def transposed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -86,109 +97,61 @@ def transposed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
     return out.T.contiguous().view(*x.shape[:-1], weight.shape[0])  # (..., O)
 
 
-def _timed_pair(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[float, float]:
-    """Seconds of one F.linear call and one transposed call, back to back."""
-    t0 = time.perf_counter()
-    F.linear(x, weight, bias)
-    t1 = time.perf_counter()
-    transposed_linear(x, weight, bias)
-    return t1 - t0, time.perf_counter() - t1
+def _fast_path(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``x`` may take a fast form: no grad, on the CPU, the weight's dtype and width.
+    Checks the cheapest conditions first: every Linear call pays them."""
+    return (not torch.is_grad_enabled() and x.dim() >= 1 and x.is_cpu and x.dtype == weight.dtype
+            and x.shape[-1] == weight.shape[1] and x.numel() > 0)
 
 
-def calibrate(weight: Tensor, bias: Tensor | None = None, budget_s: float = _BUDGET_S) -> frozenset[int]:
-    """Row counts in 2..MAX_ROWS for which the transposed form beat F.linear on ``weight``.
-
-    Times both forms on random inputs of ``weight``'s dtype, coarse to fine until ``budget_s`` is
-    spent, and gives an untimed count the choice of the nearest timed one (the smaller on a tie).
-    """
-    out_f, in_f = weight.shape
-    if out_f == 0 or in_f == 0:
-        return frozenset()
-    with torch.inference_mode():
-        gen = torch.Generator().manual_seed(0)
-        xs = torch.randn(MAX_ROWS, in_f, generator=gen).to(weight.dtype)  # (MAX_ROWS, I)
-        _timed_pair(xs[:2], weight, bias)  # first calls pay one-off set-up
-        wins: dict[int, bool] = {}
-        start = time.perf_counter()
-        for r in _PROBE_ORDER:
-            if wins and time.perf_counter() - start > budget_s:
-                break
-            plain, flipped = _timed_pair(xs[:r], weight, bias)
-            extra = 2 if plain + flipped < _CHEAP_S else int(_AMBIGUOUS[0] < flipped / plain < _AMBIGUOUS[1])
-            for _ in range(extra):
-                p, f = _timed_pair(xs[:r], weight, bias)
-                plain, flipped = min(plain, p), min(flipped, f)
-            wins[r] = flipped < _MARGIN * plain
-    timed = sorted(wins)
-    return frozenset(r for r in _ALL_ROWS if wins[min(timed, key=lambda t: (abs(t - r), t))])
-
-
-def transposed_rows(weight: Tensor, bias: Tensor | None = None) -> frozenset[int]:
-    """Row counts for which :func:`linear` uses the transposed form on ``weight`` (CPU, no grad).
-
-    Cached per (O, I, dtype, bias, threads); a miss calibrates on ``weight`` itself.
-    """
-    mode = layout_mode()
-    if mode == "fp32":
-        return _ALL_ROWS if weight.dtype == torch.float32 else frozenset()
-    if mode != "auto":
-        return _ALL_ROWS if mode == "on" else frozenset()
-    key = (*weight.shape, weight.dtype, bias is not None, torch.get_num_threads())
-    if key not in _CHOICES:
-        _CHOICES[key] = calibrate(weight, bias)
-    return _CHOICES[key]
-
-
-def _candidate_rows(x: Tensor, weight: Tensor) -> int:
-    """R when the transposed form may apply to ``x`` (no grad, CPU, 2 <= R <= MAX_ROWS, the weight's
-    dtype and width), else 0. Checks the cheapest conditions first: every Linear call pays them."""
-    if torch.is_grad_enabled() or x.dim() < 2:
-        return 0
-    width = x.shape[-1]
-    rows = x.numel() // width if width else 0
-    if rows < 2 or rows > MAX_ROWS or not x.is_cpu or width != weight.shape[1] or x.dtype != weight.dtype:
-        return 0
-    return rows
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear`` in the faster layout for ``weight`` (the transposed one where calibrated)."""
-    rows = _candidate_rows(x, weight)
-    if rows and rows in transposed_rows(weight, bias):
-        return transposed_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-class SkinnyLinear(nn.Linear):
-    """An ``nn.Linear`` that feeds few-row inference inputs through the faster GEMM layout.
+class CpuLinear(nn.Linear):
+    """An ``nn.Linear`` whose CPU inference calls take the faster form of its mode.
 
     Made only by :func:`install`, which swaps the class of existing modules (parameters, hooks and
-    state-dict keys stay as they are). The chosen row counts are kept on the module and refreshed
-    when the torch thread count changes.
+    state-dict keys stay as they are).
     """
 
-    _layout_threads: int
-    _layout_rows: frozenset[int]
+    _mode: str  # "packed", "transposed" or "off": what this layer does with a fast-path input
+    _packed: Tensor | None
+    _packed_key: tuple[int, int, torch.dtype] | None
 
     def forward(self, input: Tensor) -> Tensor:
-        rows = _candidate_rows(input, self.weight)
-        if rows and rows in self.layout_rows():
-            return transposed_linear(input, self.weight, self.bias)
+        if self._mode != "off" and _fast_path(input, self.weight):
+            if self._mode == "packed":
+                return packed_linear(input, self.packed_weight(), self.bias)
+            rows = input.numel() // input.shape[-1]
+            if 2 <= rows <= MAX_ROWS:
+                return transposed_linear(input, self.weight, self.bias)
         return F.linear(input, self.weight, self.bias)
 
-    def layout_rows(self) -> frozenset[int]:
-        """Row counts that take the transposed form at the current thread count."""
-        threads = torch.get_num_threads()
-        if threads != self._layout_threads:
-            self._layout_rows = transposed_rows(self.weight, self.bias)
-            self._layout_threads = threads
-        return self._layout_rows
+    def packed_weight(self) -> Tensor:
+        """The weight packed for oneDNN, packed again after any change of the weight (an inference
+        tensor, made under ``torch.inference_mode``, has no version counter: a new tensor only)."""
+        w = self.weight
+        key = (w.data_ptr(), -1 if w.is_inference() else w._version, w.dtype)
+        if key != self._packed_key:
+            self._packed = pack(w)
+            self._packed_key = key
+        assert self._packed is not None
+        return self._packed
 
-    def forget_layout(self) -> None:
-        """Drop the kept choice; the next few-row forward looks it up again (after a change of
-        ``BOOSTTUNE_CPU_LINEAR``, say)."""
-        self._layout_threads = -1
-        self._layout_rows = frozenset()
+    def set_mode(self, mode: str) -> None:
+        """Use ``mode`` (one of ``MODES``; ``packed`` falls back to ``transposed`` for fp32 weights
+        oneDNN cannot pack, and to ``off`` for other dtypes). A packed copy made before is kept."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        dtype = self.weight.dtype
+        if mode == "packed" and not can_pack(dtype):
+            mode = "transposed"
+        if mode == "transposed" and dtype != torch.float32:
+            mode = "off"
+        self._mode = mode
+        if not hasattr(self, "_packed_key"):
+            self._packed = self._packed_key = None
+
+    @property
+    def mode(self) -> str:
+        return self._mode
 
 
 @dataclass(frozen=True)
@@ -196,34 +159,41 @@ class LayoutChoice:
     """What :func:`install` did.
 
     Attributes:
-        modules: ``nn.Linear`` modules switched to :class:`SkinnyLinear` by this call.
-        seconds: wall time of this call (calibration included).
-        rows: ``"O x I dtype"`` -> the row counts taking the transposed form, for the switched shapes.
+        modules: ``nn.Linear`` modules switched to :class:`CpuLinear` by this call.
+        seconds: wall time of this call.
+        modes: ``"O x I dtype"`` -> the mode its layers took, for the switched shapes.
     """
 
     modules: int
     seconds: float
-    rows: dict[str, tuple[int, ...]]
+    modes: dict[str, str]
 
 
 def install(model: nn.Module) -> LayoutChoice:
-    """Switch ``model``'s CPU ``nn.Linear`` modules to :class:`SkinnyLinear`, calibrating new shapes.
+    """Switch ``model``'s CPU ``nn.Linear`` modules to :class:`CpuLinear` in the environment's mode.
 
     Idempotent: modules switched before are skipped. Only exact ``nn.Linear`` modules are touched
     (a subclass, e.g. a quantised or LoRA layer, has its own forward to keep). Does nothing when
-    ``BOOSTTUNE_CPU_LINEAR=0``.
+    ``BOOSTTUNE_CPU_LINEAR=0``. Weights are packed lazily, at a layer's first inference call.
     """
     start = time.perf_counter()
-    if layout_mode() == "off":
+    mode = layout_mode()
+    if mode == "off":
         return LayoutChoice(0, 0.0, {})
-    switched: list[SkinnyLinear] = []
+    switched: list[CpuLinear] = []
     for module in model.modules():
         if type(module) is nn.Linear and module.weight.device.type == "cpu":
-            module.__class__ = SkinnyLinear
-            assert isinstance(module, SkinnyLinear)
-            module.forget_layout()
+            module.__class__ = CpuLinear
+            assert isinstance(module, CpuLinear)
+            module.set_mode(mode)
             switched.append(module)
-    rows = {f"{m.out_features} x {m.in_features} {str(m.weight.dtype).removeprefix('torch.')}":
-            tuple(sorted(m.layout_rows())) for m in switched}
-    return LayoutChoice(len(switched), time.perf_counter() - start, rows)
+    modes = {f"{m.out_features} x {m.in_features} {str(m.weight.dtype).removeprefix('torch.')}": m.mode
+             for m in switched}
+    return LayoutChoice(len(switched), time.perf_counter() - start, modes)
 
+
+def set_mode(model: nn.Module, mode: str) -> None:
+    """Put every :class:`CpuLinear` of ``model`` in ``mode`` (benchmarks and tests compare modes)."""
+    for module in model.modules():
+        if isinstance(module, CpuLinear):
+            module.set_mode(mode)

@@ -103,18 +103,18 @@ class ModelRunner:
         """``head_ids``: (K,) token ids to compute logits for (the others get -inf); None: all V."""
         self.model = model
         if self.device.type == "cpu":
-            cpu_linear.install(model)  # few-row GEMMs in the faster layout; idempotent, cached per shape
+            cpu_linear.install(model)  # oneDNN-packed weights for inference; idempotent
         self._cache_kw = cache_keyword(model.forward)
         self.cache = DynamicCache(config=model.config)
         self.head_ids: Tensor | None = None
-        self._head_weight: Tensor | None = None  # (K, H) rows of the LM head, contiguous
+        self._head: torch.nn.Linear | None = None  # (K, H) rows of the LM head, as a Linear of their own
         if head_ids is not None:
             self.restrict_head(head_ids)
 
     def restrict_head(self, head_ids: Tensor | None) -> None:
         """Compute logits over ``head_ids`` only (None: the whole vocabulary again)."""
         if head_ids is None:
-            self.head_ids = self._head_weight = None
+            self.head_ids = self._head = None
             return
         why = restricted_head_error(self.model)
         if why is not None:
@@ -124,7 +124,11 @@ class ModelRunner:
         if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0]:
             raise ValueError(f"draft vocabulary ids must be non-empty and in [0, {weight.shape[0]})")
         self.head_ids = ids.to(weight.device)
-        self._head_weight = weight.detach()[self.head_ids].contiguous()
+        rows = weight.detach()[self.head_ids].contiguous()  # (K, H)
+        self._head = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
+        self._head.weight = torch.nn.Parameter(rows, requires_grad=False)
+        if self.device.type == "cpu":
+            cpu_linear.install(self._head)
         self._vocab = weight.shape[0]
         self._body_cache_kw = cache_keyword(self.model.base_model.forward)
 
@@ -183,7 +187,7 @@ class ModelRunner:
         inputs = {key: input_ids.to(self.device), "position_ids": position_ids.to(self.device),
                   "use_cache": True, "tree_spec": spec}
         with _attention(self.model, ATTN_NAME):
-            if self._head_weight is not None:
+            if self._head is not None:
                 body = self.model.base_model(**inputs, **{self._body_cache_kw: self.cache})
                 last = body.last_hidden_state[0]  # (T, H)
                 return self._restricted_logits(last), (last.float() if hidden else None)
@@ -193,8 +197,8 @@ class ModelRunner:
 
     def _restricted_logits(self, last: Tensor) -> Tensor:
         """(T, H) last hidden states → (T, V) fp32 logits, -inf outside the draft vocabulary."""
-        assert self._head_weight is not None and self.head_ids is not None
-        small = cpu_linear.linear(last, self._head_weight).float()  # (T, K), = last @ W.T
+        assert self._head is not None and self.head_ids is not None
+        small = self._head(last).float()  # (T, K), = last @ W.T
         full = small.new_full((last.shape[0], self._vocab), float("-inf"))
         full[:, self.head_ids] = small
         return full

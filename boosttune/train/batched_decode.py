@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import AttentionInterface
 
+from boosttune.serving import cpu_linear
+
 ATTENTION = "boosttune_batched_teacher"
 
 
@@ -171,6 +173,8 @@ def decode_batch(
     if reason:
         raise ValueError(f"teacher.backend=batched: {reason}; use teacher.backend=hf")
     dev, cfg = model.device, model.config
+    if dev.type == "cpu":
+        cpu_linear.install(model)  # oneDNN-packed weights: fp32 batches of 96-192 rows several times faster
     n_rows, width = len(prompts), max(len(p) for p in prompts)
     # a prompt asked for several times (several samples of one request) is read once
     first: dict[tuple[int, ...], int] = {}
