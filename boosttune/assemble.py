@@ -32,6 +32,7 @@ from boosttune.serving.draft_vocab import ranking_for
 from boosttune.serving.drafter import Drafter, SSMDrafter
 from boosttune.serving.engine import GenerationResult, Plan, SpeculativeEngine, TokenCallback
 from boosttune.serving.feature_drafter import FeatureDrafter
+from boosttune.serving.lean import drafter_runner
 from boosttune.serving.lookup import LOOKUP_NAME, PromptLookupDrafter, lookup_tree
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams
@@ -97,7 +98,7 @@ def engine_from_models(
         raise ValueError(f"an SSM may not be named {LOOKUP_NAME!r}: that name is the prompt-lookup drafter's")
     v = llm.get_output_embeddings().weight.shape[0]
     drafters: dict[str, Drafter] = {
-        name: (FeatureDrafter if is_feature_head(m) else SSMDrafter)(ModelRunner(m), vocab_size=v, ranking=ranking)
+        name: (FeatureDrafter if is_feature_head(m) else SSMDrafter)(drafter_runner(m), vocab_size=v, ranking=ranking)
         for name, m in named.items()
     }
     trees = dict.fromkeys(named, tree)

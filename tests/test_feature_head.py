@@ -139,7 +139,8 @@ def test_files_round_trip_and_refuse_a_bad_projection(tmp_path):
         attach_fc(copy.deepcopy(back.model), tmp_path / "h")
 
 
-def test_training_lowers_the_losses_on_the_llms_own_text():
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_training_lowers_the_losses_on_the_llms_own_text(autocast):
     llm = tiny_llama(6, layers=2, vocab=64)
     g = torch.Generator().manual_seed(0)
     samples = []
@@ -151,9 +152,11 @@ def test_training_lowers_the_losses_on_the_llms_own_text():
     head = build_head(llm, [-1])
     rows = torch.arange(64)
     before = evaluate_head(head, samples, feats, rows)
-    stats = train_head(head, samples, feats, rows, FeatureConfig(minutes=0, max_steps=60, batch_tokens=256, lr=3e-3))
+    stats = train_head(head, samples, feats, rows, FeatureConfig(minutes=0, max_steps=60, batch_tokens=256, lr=3e-3),
+                       autocast=autocast)
     after = evaluate_head(head, samples, feats, rows)
-    assert stats["steps"] == 60
+    assert stats["steps"] == 60 and stats["precision"] == ("bfloat16" if autocast else "float32")
+    assert all(p.dtype == torch.float32 for p in head.parameters())  # mixed precision: fp32 weights
     assert after["reg"] < 0.8 * before["reg"] and after["ce"] < before["ce"]
     assert head_losses(head, samples[:2], feats[:2], rows, 0.0)["top1"] >= 0
 

@@ -21,6 +21,7 @@ layers and the final norm train.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -180,9 +181,12 @@ def _step_losses(hidden: Tensor, f_out: Tensor, valid: Tensor, cont: Tensor, w: 
 
 def train_head(
     head: PreTrainedModel, samples: Sequence[Sample], feats: Sequence[Tensor], rows: Tensor, cfg: FeatureConfig,
-    on_step: Callable[[int, dict], None] | None = None, seed: int = 0,
+    on_step: Callable[[int, dict], None] | None = None, seed: int = 0, autocast: torch.dtype | None = None,
 ) -> dict:
-    """AdamW on the head until ``cfg.minutes`` or ``cfg.max_steps``; returns training statistics."""
+    """AdamW on the head until ``cfg.minutes`` or ``cfg.max_steps``; returns training statistics.
+    ``autocast``: the forward's mixed-precision dtype (bf16 on CPUs with native bf16 took twice the
+    steps per minute of fp32: 188 against 97 in one minute, AVX512-BF16 EPYC, 2 threads); the weights,
+    gradients and optimiser stay fp32."""
     gen = torch.Generator().manual_seed(seed)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
@@ -207,8 +211,10 @@ def train_head(
         scale = (step + 1) / warm if step < warm else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / horizon)))
         for g in opt.param_groups:
             g["lr"] = cfg.lr * scale
-        losses = head_losses(head, [samples[i] for i in idx], [feats[i] for i in idx], rows, cfg.noise, gen,
-                             depth2=cfg.depth2_weight > 0)
+        amp = torch.autocast(head.device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+        with amp:
+            losses = head_losses(head, [samples[i] for i in idx], [feats[i] for i in idx], rows, cfg.noise, gen,
+                                 depth2=cfg.depth2_weight > 0)
         loss = cfg.reg_weight * losses["reg"] + cfg.ce_weight * losses["ce"]
         if "ce2" in losses:
             loss = loss + cfg.depth2_weight * (cfg.reg_weight * losses["reg2"] + cfg.ce_weight * losses["ce2"])
@@ -223,6 +229,7 @@ def train_head(
             on_step(step, last)
     seconds = time.perf_counter() - t0
     return {"steps": step, "tokens": tokens, "seconds": round(seconds, 1),
+            "precision": str(autocast).removeprefix("torch.") if autocast is not None else "float32",
             "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "last": last}
 
 

@@ -418,6 +418,7 @@ def feature_phase(cfg: TrainConfig, run: RunDir, train: list, held: list) -> dic
     from boosttune.core.progress import progress
     from boosttune.serving.draft_vocab import head_ids, load_ranking
     from boosttune.train.feature import build_head, evaluate_head, llm_features, train_head
+    from boosttune.train.stage import precision
 
     fc = cfg.feature
     llm = load_model(cfg.llm.ref, torch.float32, device=_device(cfg))
@@ -436,8 +437,9 @@ def feature_phase(cfg: TrainConfig, run: RunDir, train: list, held: list) -> dic
     head = build_head(llm.model, fc.layers).to(llm.model.device)
     before = evaluate_head(head, held, held_feats, rows)
     with progress(total=None, desc="feature head", unit="step") as bar:
+        amp = torch.bfloat16 if precision(cfg).startswith("bf16") else None  # as the SSM stages train
         stats = train_head(head, train, feats, rows, fc, on_step=lambda step, losses: bar.update(1),
-                           seed=cfg.optim.seed)
+                           seed=cfg.optim.seed, autocast=amp)
     after = evaluate_head(head, held, held_feats, rows)
     summary = {"config": json.loads(json.dumps(asdict(fc))), "feature_seconds": round(feature_s, 1),
                "train": stats, "held_out_before": before, "held_out": after,

@@ -1,0 +1,184 @@
+"""A leaner runner for small llama-architecture drafters: their forward without transformers' module stack.
+
+Shape legend: T tokens fed in one forward, S cached positions after it, H hidden width, Q query
+heads, G kv heads, C head dim, L layers.
+
+A drafter's forward is small (a feature head: one decoder layer and an 8k-row head, about 1 ms of
+matrix products in bf16 on this project's CPU), so the Python around it dominates: transformers'
+model forward builds masks and output objects, its ``DynamicCache`` concatenates every layer's keys
+at every step, and each of a layer's dozen modules is a call through ``nn.Module``. Measured on an
+AVX512-BF16 EPYC (2 threads, bf16), a feature head's draft of one level took 2.5 ms in the engine,
+of which ~1 ms were matrix products.
+
+:class:`LeanRunner` is a :class:`~boosttune.serving.runner.ModelRunner` that computes the same
+function from the same modules' weights with fewer calls: the q/k/v and the gate/up projections
+each fused into one packed product, rotary embeddings from the model's own rotary module, the
+model's own RMSNorm modules, tree attention over a preallocated cache written in place (grown by
+doubling; compaction gathers in place, as ``kv.compact_cache`` does). It is used for drafters only:
+their numerics never change the output (verification decides), and the LLM keeps transformers'
+forward, the reference that the greedy-identity tests compare with. Fused weights are rebuilt when a
+source weight changes (version counters).
+
+Only plain llama layers qualify (:func:`lean_reason`): no attention or MLP bias, SiLU gate,
+``pretraining_tp`` 1, full attention. Others keep ``ModelRunner``. ``BOOSTTUNE_LEAN=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from boosttune.kernels.tree_attention import tree_attention
+from boosttune.serving import cpu_linear
+from boosttune.serving.runner import ModelRunner
+
+ENV_VAR = "BOOSTTUNE_LEAN"
+
+
+def lean_reason(model: PreTrainedModel) -> str | None:
+    """Why ``model`` cannot run through :class:`LeanRunner` (None: it can)."""
+    cfg = model.config
+    if os.environ.get(ENV_VAR, "").strip() == "0":
+        return f"{ENV_VAR}=0"
+    if cfg.model_type != "llama":
+        return f"model_type {cfg.model_type!r} is not llama"
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        return "attention or MLP biases"
+    if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "pretraining_tp", 1) != 1:
+        return "an activation other than SiLU, or pretraining_tp > 1"
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types and set(layer_types) != {"full_attention"}:
+        return f"layers other than full attention ({sorted(set(layer_types))})"
+    body = model.base_model
+    if not all(hasattr(body, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return f"{type(body).__name__} lacks embed_tokens/layers/norm/rotary_emb"
+    return None
+
+
+def drafter_runner(model: PreTrainedModel, head_ids: Tensor | None = None) -> ModelRunner:
+    """The runner a drafter gets: :class:`LeanRunner` where the model qualifies, else ``ModelRunner``."""
+    return ModelRunner(model, head_ids) if lean_reason(model) else LeanRunner(model, head_ids)
+
+
+def _version(t: Tensor) -> tuple[int, int]:
+    return t.data_ptr(), -1 if t.is_inference() else t._version
+
+
+class _Fused:
+    """One Linear computing several bias-free Linears of the same input, concatenated; rebuilt when
+    any of them changes."""
+
+    def __init__(self, parts: list[nn.Linear]):
+        self.parts = parts
+        self.key: tuple | None = None
+        self.linear: nn.Linear | None = None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        key = tuple(_version(p.weight) for p in self.parts)
+        if key != self.key:
+            w = torch.cat([p.weight.detach() for p in self.parts])  # (sum O, I)
+            lin = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+            lin.weight = nn.Parameter(w, requires_grad=False)
+            if w.device.type == "cpu":
+                cpu_linear.install(lin)
+            self.linear, self.key = lin, key
+        assert self.linear is not None
+        return self.linear(x)
+
+
+class LeanRunner(ModelRunner):
+    """``ModelRunner`` for a plain llama model, computed layer by layer over a preallocated cache."""
+
+    def __init__(self, model: PreTrainedModel, head_ids: Tensor | None = None):
+        why = lean_reason(model)
+        if why is not None:
+            raise ValueError(f"LeanRunner cannot run {type(model).__name__}: {why}")
+        super().__init__(model, head_ids)
+        cfg = model.config
+        body = model.base_model
+        self._body = body
+        self._q, self._g = cfg.num_attention_heads, cfg.num_key_value_heads
+        self._c = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self._qkv = [_Fused([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj]) for ly in body.layers]
+        self._gate_up = [_Fused([ly.mlp.gate_proj, ly.mlp.up_proj]) for ly in body.layers]
+        self._scale = body.layers[0].self_attn.scaling if body.layers else 1.0
+        self._len = 0
+        self._keys: list[Tensor] = []  # per layer (G, capacity, C)
+        self._values: list[Tensor] = []
+
+    @property
+    def cached_len(self) -> int:
+        return self._len
+
+    def reset(self) -> None:
+        self._len = 0
+
+    def _reserve(self, n: int, dtype: torch.dtype) -> None:
+        """Room for ``n`` cached positions (doubling: a request's growth costs O(S) copies in all)."""
+        cap = self._keys[0].shape[1] if self._keys else 0
+        if n <= cap and self._keys and self._keys[0].dtype == dtype:
+            return
+        new_cap = max(n, 2 * cap, 256)
+        dev = self.device
+        shape = (self._g, new_cap, self._c)
+        keys = [torch.empty(shape, device=dev, dtype=dtype) for _ in self._qkv]
+        values = [torch.empty(shape, device=dev, dtype=dtype) for _ in self._qkv]
+        if self._keys:
+            for old, new in zip(self._keys + self._values, keys + values, strict=True):
+                new[:, : self._len] = old[:, : self._len]
+        self._keys, self._values = keys, values
+
+    @torch.inference_mode()
+    def _run(
+        self, input_ids: Tensor, position_ids: Tensor, prefix_len: int, tree_mask: Tensor, hidden: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """What ``ModelRunner._run`` returns, computed layer by layer."""
+        t = input_ids.shape[1]
+        s0, s = self._len, self._len + t
+        assert position_ids.shape == input_ids.shape[:2], "position_ids must be (1, T)"
+        assert tree_mask.shape == (t, s - prefix_len), f"tree_mask must be ({t}, {s - prefix_len})"
+        dev, body = self.device, self._body
+        x = body.embed_tokens(input_ids.to(dev)) if input_ids.dim() == 2 else input_ids.to(dev)  # (1, T, H)
+        x = x.to(body.embed_tokens.weight.dtype)
+        cos, sin = body.rotary_emb(x, position_ids.to(dev))  # (1, T, C) each
+        self._reserve(s, x.dtype)
+        mask = tree_mask.to(dev)
+        q_n, g_n, c = self._q, self._g, self._c
+        for i, layer in enumerate(body.layers):
+            h = layer.input_layernorm(x)
+            qkv = self._qkv[i](h)  # (1, T, (Q + 2G) C)
+            q = qkv[..., : q_n * c].view(1, t, q_n, c).transpose(1, 2)  # (1, Q, T, C)
+            k = qkv[..., q_n * c : (q_n + g_n) * c].view(1, t, g_n, c).transpose(1, 2)  # (1, G, T, C)
+            v = qkv[..., (q_n + g_n) * c :].view(1, t, g_n, c).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            self._keys[i][:, s0:s] = k[0]
+            self._values[i][:, s0:s] = v[0]
+            att = tree_attention(q, self._keys[i][None, :, :s], self._values[i][None, :, :s], prefix_len, mask,
+                                 self._scale)  # (1, Q, T, C)
+            x = x + layer.self_attn.o_proj(att.transpose(1, 2).reshape(1, t, q_n * c))
+            h = layer.post_attention_layernorm(x)
+            gate, up = self._gate_up[i](h).chunk(2, dim=-1)
+            x = x + layer.mlp.down_proj(F.silu(gate) * up)
+        self._len = s
+        last = body.norm(x)[0]  # (T, H)
+        if self._head is not None:
+            return self._restricted_logits(last), (last.float() if hidden else None)
+        return self.model.get_output_embeddings()(last).float(), (last.float() if hidden else None)
+
+    @torch.inference_mode()  # the cache was made under inference mode
+    def keep(self, start: int, offsets: Tensor) -> None:
+        """Keep cache entries ``start + offsets`` (moved to ``start...``) and drop the rest."""
+        k = offsets.shape[0]
+        if k:
+            idx = (offsets + start).to(self.device)
+            for cache in (*self._keys, *self._values):
+                cache[:, start : start + k] = cache.index_select(1, idx)
+        self._len = start + k
+
+    def crop(self, length: int) -> None:
+        self._len = min(self._len, length)
