@@ -255,7 +255,11 @@ class SchedulerConfig:
         prompts: JSONL/text file of prompts held out from SSM training (MT-bench's question.jsonl
             works: first turns are used). Required.
         eval_prompts: a separate file for the evaluation requests; None splits ``prompts``.
-        limit: use the first ``limit`` prompts of ``prompts`` (0 = all).
+        skip: leave out the first ``skip`` prompts of ``prompts`` (the ones the run trained on, when
+            ``prompts`` is also one of its sources with that ``limit``).
+        limit: use the first ``limit`` prompts of ``prompts`` after ``skip`` (0 = all).
+        max_prompt_tokens: leave out requests longer than this many tokens (0: none), from both
+            splits, after ``limit``.
         eval_limit: use the first ``eval_limit`` prompts of ``eval_prompts`` (0 = all).
         train_fraction: share of ``prompts`` used to fit (the rest evaluates) when
             ``eval_prompts`` is None; the split is a seeded shuffle.
@@ -291,11 +295,15 @@ class SchedulerConfig:
         real_policies: policies evaluated by real engine runs on the eval prompts (the others,
             and these too, are evaluated by full-information replay). Among learned, all,
             best_fixed, none.
+        feature_head: choose the run's feature head too (``ssms/feature``, when it has one), as one
+            more drafter; its labels take trees of at most two levels (``widths[:max(depths)]``).
     """
 
     prompts: str | None = None
     eval_prompts: str | None = None
+    skip: int = 0
     limit: int = 80
+    max_prompt_tokens: int = 0
     eval_limit: int = 0
     train_fraction: float = 0.5
     seed: int = 0
@@ -316,6 +324,7 @@ class SchedulerConfig:
     calib_prompts: int = 2
     calib_tokens: int = 24
     real_policies: tuple[str, ...] = ("learned", "all", "best_fixed")
+    feature_head: bool = True
 
     def __post_init__(self) -> None:
         for name in ("depths", "ridge_alphas", "real_policies"):
@@ -323,6 +332,8 @@ class SchedulerConfig:
         if self.widths is not None:
             object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
         _check_scheduler(self.limit >= 0 and self.eval_limit >= 0, "limit/eval_limit", "must be >= 0 (0 = all)")
+        _check_scheduler(self.skip >= 0, "skip", f"must be >= 0, got {self.skip}")
+        _check_scheduler(self.max_prompt_tokens >= 0, "max_prompt_tokens", f"must be >= 0 (0: no limit), got {self.max_prompt_tokens}")
         _check_scheduler(
             0.0 < self.train_fraction < 1.0, "train_fraction", f"must be in (0, 1), got {self.train_fraction}"
         )

@@ -24,8 +24,11 @@ from boosttune.core.feature_head import FEATURE_FILE
 from boosttune.core.files import is_complete, sha256_file
 from boosttune.core.rundir import FEATURE_NAME, RunDir
 from boosttune.export_common import atomic_dir, check_out, tree_bytes, weight_files
+from boosttune.scheduler.persist import SchedulerFileError
+from boosttune.scheduler.policy import Scheduler
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.bundle import llm_content_hash
+from boosttune.serving.lookup import LOOKUP_NAME
 from boosttune.serving.manifest import (
     BUNDLE_FORMAT,
     SCHEDULER_DIR,
@@ -180,9 +183,9 @@ def export_bundle(
         prompt_lookup: the bundle's default prompt-lookup chain length (``serving/lookup.py``), used
             when no learned scheduler decides (0: off).
         drafters: the run's drafters to ship, by name (ssm-K, and ``feature`` for the run's feature
-            head). None: with a learned scheduler, every SSM (the scheduler chooses among them per
-            request; it cannot choose feature heads yet, and a bundle whose drafters differ from its
-            scheduler's is refused when it loads); without one, every request drafts with every
+            head). None: with a learned scheduler, the drafters it was trained to choose among per
+            request (a bundle whose drafters differ from its scheduler's is refused when it loads);
+            without one, every request drafts with every
             drafter shipped, so export ships what the run's evaluation measured fastest
             (:func:`fastest_drafters`), or every SSM and the feature head when the run was not evaluated.
     """
@@ -193,9 +196,15 @@ def export_bundle(
     report = run.read_report()
     stages = {str(run.root / s["ssm_dir"]): s for s in report.get("stages", []) if isinstance(s, dict) and "ssm_dir" in s}
     ssm_dirs = run.ssm_dirs()
-    if is_complete(run.feature_dir) and (drafters is not None or not run.scheduler_file.is_file()):
-        ssm_dirs.append(run.feature_dir)  # by default only where no learned scheduler (trained without it) plans
+    if is_complete(run.feature_dir):
+        ssm_dirs.append(run.feature_dir)
     choice = None
+    if drafters is None and run.scheduler_file.is_file():  # the drafters the learned scheduler chooses among
+        try:
+            planned = [n for n in Scheduler.load(run.scheduler_file).drafters if n != LOOKUP_NAME]
+        except SchedulerFileError as e:
+            raise ValueError(f"the run's learned scheduler cannot be read: {e}") from None
+        ssm_dirs = [d for d in ssm_dirs if d.name in planned]
     if drafters is None and not run.scheduler_file.is_file():
         choice = fastest_drafters(report.get("evaluation"), [d.name for d in ssm_dirs])
         if choice is not None:

@@ -27,15 +27,12 @@ from __future__ import annotations
 import argparse
 
 import torch
-from transformers import DynamicCache
 
-from boosttune.core.feature_head import is_feature_head, pair_inputs
+from boosttune.core.feature_head import is_feature_head, teacher_forced_ranks
 from boosttune.core.models import eos_token_ids, load_llm_and_ssms, model_vocab_size
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.serving.draft_vocab import head_ids, ranking_for
-from boosttune.serving.runner import cache_keyword
 from boosttune.train.batched_decode import decode_batch
-from boosttune.train.feature import second_step
 
 
 def walked_steps(hits: list[bool], hits2: list[bool] | None = None) -> int:
@@ -49,33 +46,14 @@ def walked_steps(hits: list[bool], hits2: list[bool] | None = None) -> int:
     return steps
 
 
-def _top(hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
-    """(n, k) token ids of the k best guesses over the draft vocabulary ``rows``."""
-    logits = hidden.float() @ weight[rows].float().T
-    return rows[logits.topk(min(k, len(rows)), -1).indices]
-
-
-@torch.no_grad()
 def head_hits(head, features: torch.Tensor, ids: list[int], prompt_len: int, rows: torch.Tensor, top: int,
               second: int = 0):
     """Per answer token i, as bool tensors: whether it is the head's first guess, among its ``top``
     guesses, and (``second`` > 0) whether token i + 1 is among the ``second`` guesses of the depth-2 node
-    holding token i (False for the last token)."""
-    m = len(ids) - 1  # pairs (feature i, token i + 1) → the LLM's token i + 2
-    tok = torch.tensor(ids[1:])[None]
-    inputs = pair_inputs(head, features[:m].float()[None], tok)
-    body = head.base_model
-    cache = DynamicCache(config=head.config) if second else None
-    hidden = body(inputs_embeds=inputs, use_cache=bool(second), **{cache_keyword(body.forward): cache}).last_hidden_state
-    lo = prompt_len - 2  # the feature before the last prompt token, and that token: the first answer token
-    weight = head.get_output_embeddings().weight
-    guesses = _top(hidden[0, lo : m - 1], weight, rows, top)  # (n, top)
-    target = torch.tensor(ids[lo + 2 :])
-    hits2 = torch.zeros_like(target, dtype=torch.bool)
-    if second and m > 1:  # step-2 pair j reads (the head's feature at j, token j + 2) → token j + 3
-        nodes = _top(second_step(head, cache, hidden, tok)[0, lo : m - 2], weight, rows, second)  # (n - 1, second)
-        hits2[:-1] = (nodes == target[1:, None]).any(-1)
-    return guesses[:, 0] == target, (guesses == target[:, None]).any(-1), hits2
+    holding token i (False for the last token): ``teacher_forced_ranks``, the scheduler's labels too."""
+    ranks1, ranks2 = teacher_forced_ranks(head, features.float(), ids, prompt_len, rows, second=bool(second))
+    hits2 = ranks2 < second if ranks2 is not None else torch.zeros_like(ranks1, dtype=torch.bool)
+    return ranks1 == 0, ranks1 < top, hits2
 
 
 def main(argv: list[str] | None = None) -> int:

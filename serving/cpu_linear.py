@@ -153,6 +153,13 @@ class CpuLinear(nn.Linear):
     def mode(self) -> str:
         return self._mode
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the packed weight behind (oneDNN's opaque tensors cannot be
+        copied); it is packed again at the copy's first inference call."""
+        state = self.__dict__.copy()
+        state["_packed"] = state["_packed_key"] = None
+        return state
+
 
 @dataclass(frozen=True)
 class LayoutChoice:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from boosttune.core.feature_head import is_feature_head, pair_inputs
+from boosttune.core.feature_head import is_feature_head, pair_inputs, teacher_forced_ranks
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.drafter import Replay, SSMDrafter
 from boosttune.serving.runner import ModelRunner
@@ -94,6 +94,24 @@ class FeatureDrafter(SSMDrafter):
         """Drop every draft node: the accepted ones come back with the LLM's own features."""
         self.runner.crop(self._synced)
 
-    def replay(self, prompt: Sequence[int], out: Sequence[int], tree: TreeConfig) -> Replay:
-        raise ValueError("a feature head cannot be replayed without the LLM's features: the learned scheduler "
-                         "does not choose feature heads yet; serve it with --no-scheduler")
+    def replay(self, prompt: Sequence[int], out: Sequence[int], tree: TreeConfig, features: Tensor | None = None) -> Replay:
+        """What a tree of one or two levels would have had accepted at every output position, from one
+        teacher-forced pass of the head over the LLM's ``features`` (its (len(prompt) + len(out) - 1, H)
+        last hidden states over prompt and output; the scheduler's labels compute them with one LLM
+        forward): depth 1 accepts when the output token ranks below ``widths[0]`` among the head's
+        guesses after the true prefix, depth 2 when the next one also ranks below ``widths[1]`` among
+        those of the node holding it (``teacher_forced_ranks``). This matches the engine up to rounding,
+        as an SSM's replay does."""
+        if features is None:
+            raise ValueError("a feature head's replay needs the LLM's features over the request (the scheduler's "
+                             "labels pass them)")
+        if tree.kind != "expansion" or len(tree.widths) > 2:
+            raise ValueError(f"a feature head's replay takes expansion trees of one or two levels, got {tree.kind} "
+                             f"{list(tree.widths)}; label with scheduler.label_depth <= 2")
+        second = len(tree.widths) == 2
+        r1, r2 = teacher_forced_ranks(self.runner.model, features.to(self.runner.device, self.runner.model.dtype),
+                                      [*prompt, *out], len(prompt), self._head(tree.draft_vocab), second)
+        accepted = (r1 < tree.widths[0]).long()
+        if r2 is not None:
+            accepted += (accepted.bool() & (r2 < tree.widths[1])).long()
+        return Replay(accepted.numpy())

@@ -13,6 +13,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from boosttune.core.feature_head import FC_ATTR, new_fc  # noqa: E402
+
 torch.set_flush_denormal(True)  # as the CLI does: random tiny models otherwise hit slow subnormal arithmetic
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -42,6 +44,38 @@ def perturbed(model: LlamaForCausalLM, seed: int, noise: float) -> LlamaForCausa
         for p in other.parameters():
             p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
     return other
+
+
+def local_llm(seed):
+    """A one-layer LLM whose attention output is zeroed: its feature at j depends on token j only."""
+    llm = tiny_llama(seed, layers=1)
+    with torch.no_grad():
+        llm.model.layers[0].self_attn.o_proj.weight.zero_()
+    return llm
+
+
+def oracle_head(llm):
+    """For ``local_llm``: a head that reads only the token (fc = [I, 0]) through the LLM's own layer
+    and norm, so pair j's output is exactly the LLM's feature after token j+1 (and a draft node's,
+    after its own token): every draft of a greedy chain is the LLM's own next token."""
+    head = copy.deepcopy(llm)
+    fc = new_fc(llm.config.hidden_size)
+    with torch.no_grad():
+        h = llm.config.hidden_size
+        fc.weight.zero_()
+        fc.weight[:, :h] = torch.eye(h)
+    setattr(head, FC_ATTR, fc)
+    return head.eval()
+
+
+def noisy_head(llm, seed, noise=0.1):
+    head = perturbed(llm, seed, noise)
+    torch.manual_seed(seed)
+    fc = new_fc(llm.config.hidden_size)
+    with torch.no_grad():
+        fc.weight.add_(torch.randn_like(fc.weight) * 0.05)
+    setattr(head, FC_ATTR, fc)
+    return head.eval()
 
 
 @pytest.fixture(scope="session")

@@ -11,9 +11,11 @@ import pytest
 from bundle_fixtures import TREE, make_run_dir, one_torch_thread  # noqa: F401 (autouse fixture)
 
 from boosttune.cli import main
+from boosttune.config import SchedulerConfig
 from boosttune.core.files import atomic_write_json, sha256_file
 from boosttune.core.rundir import REPORT_FORMAT, RunDir
 from boosttune.export import export_bundle
+from boosttune.scheduler.offline.train import fit_scheduler
 from boosttune.serving.bundle import load_bundle, verify_bundle
 from boosttune.serving.manifest import BUNDLE_FORMAT, MANIFEST, BundleError, parse_manifest
 
@@ -442,8 +444,15 @@ def test_export_ships_what_the_run_measured_fastest_unless_told(tmp_path, capsys
     (run / "report.json").write_text(json.dumps(report))
     assert main(["export", str(run), "--out", str(tmp_path / "slow")]) == 0
     assert "slower than plain decoding" in capsys.readouterr().out
-    # a learned scheduler chooses per request among every SSM
-    atomic_write_json(RunDir(run).scheduler_dir / "policy.json", {"kind": "test"})
-    atomic_write_json(RunDir(run).scheduler_file, {"kind": "test"})
+    # a learned scheduler chooses per request among the drafters it was trained for: ship those
+    from test_scheduler import SPEC, costs, synthetic_records
+
+    cfg = SchedulerConfig(prompts="unused", depths=(1, 2), pca_components=4, ridge_alphas=(1e-3,), prompt_lookup=False)
+    fit_scheduler(synthetic_records(), costs(), SPEC, (1, 1), cfg, ["ssm-1", "ssm-2"]).save(RunDir(run).scheduler_file)
     sched = export_bundle(run, tmp_path / "sched")
     assert sched.choice is None and [s["name"] for s in _manifest(sched.bundle)["ssms"]] == ["ssm-1", "ssm-2"]
+    fit_scheduler(synthetic_records(), costs(), SPEC, (1, 1), cfg, ["ssm-2", "ssm-1"]).save(RunDir(run).scheduler_file)
+    assert [s["name"] for s in _manifest(export_bundle(run, tmp_path / "s2").bundle)["ssms"]] == ["ssm-1", "ssm-2"]
+    atomic_write_json(RunDir(run).scheduler_file, {"kind": "test"})
+    with pytest.raises(ValueError, match="scheduler"):
+        export_bundle(run, tmp_path / "broken")

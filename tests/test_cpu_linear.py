@@ -191,3 +191,15 @@ def test_weights_made_in_inference_mode_are_packed(monkeypatch):
         cpu_linear.install(layer)
         x = torch.randn(3, 48)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_layers_can_be_copied_and_pickled(monkeypatch):
+    import pickle
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    llm = tiny_llama(3)
+    ModelRunner(llm).forward_chain(torch.tensor([4, 5, 6]))  # packs every layer
+    for twin in (copy.deepcopy(llm), pickle.loads(pickle.dumps(llm))):
+        ids = torch.tensor([[4, 5, 6]])
+        with torch.no_grad():
+            torch.testing.assert_close(twin(ids).logits, llm(ids).logits, rtol=1e-5, atol=1e-5)

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import perturbed, tiny_llama
+from conftest import local_llm, noisy_head, oracle_head, perturbed, tiny_llama
 from safetensors import safe_open
 
 from boosttune.assemble import engine_from_models
@@ -16,7 +16,6 @@ from boosttune.core.feature_head import (
     attach_fc,
     is_feature_dir,
     is_feature_head,
-    new_fc,
     save_fc,
     save_head,
 )
@@ -31,41 +30,9 @@ from boosttune.train.distill import Sample
 from boosttune.train.feature import build_head, evaluate_head, head_losses, llm_features, train_head
 
 
-def local_llm(seed):
-    """A one-layer LLM whose attention output is zeroed: its feature at j depends on token j only."""
-    llm = tiny_llama(seed, layers=1)
-    with torch.no_grad():
-        llm.model.layers[0].self_attn.o_proj.weight.zero_()
-    return llm
-
-
-def oracle_head(llm):
-    """For ``local_llm``: a head that reads only the token (fc = [I, 0]) through the LLM's own layer
-    and norm, so pair j's output is exactly the LLM's feature after token j+1 (and a draft node's,
-    after its own token): every draft of a greedy chain is the LLM's own next token."""
-    head = copy.deepcopy(llm)
-    fc = new_fc(llm.config.hidden_size)
-    with torch.no_grad():
-        h = llm.config.hidden_size
-        fc.weight.zero_()
-        fc.weight[:, :h] = torch.eye(h)
-    setattr(head, FC_ATTR, fc)
-    return head.eval()
-
-
 def feature_engine(llm, heads, trees):
     drafters = {f"f-{i}": FeatureDrafter(ModelRunner(h)) for i, h in enumerate(heads)}
     return SpeculativeEngine(ModelRunner(llm), drafters, Plan(dict(zip(drafters, trees, strict=True))))
-
-
-def noisy_head(llm, seed, noise=0.1):
-    head = perturbed(llm, seed, noise)
-    torch.manual_seed(seed)
-    fc = new_fc(llm.config.hidden_size)
-    with torch.no_grad():
-        fc.weight.add_(torch.randn_like(fc.weight) * 0.05)
-    setattr(head, FC_ATTR, fc)
-    return head.eval()
 
 
 def test_oracle_head_has_every_draft_accepted():

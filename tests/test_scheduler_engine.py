@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import perturbed, tiny_llama
+from conftest import local_llm, oracle_head, perturbed, tiny_llama
 
 from boosttune.assemble import engine_from_models
 from boosttune.scheduler.features import FeatureSpec
@@ -160,3 +160,48 @@ def test_position_labels_replay_the_engines_own_steps(models, active, depths, ng
     walked = walk(record.labels(), depths, lookup=3, ngram_depths=ngram_depths)
     assert walked.steps == run.steps
     assert np.diff([*walked.starts, len(run.tokens)]).tolist() == run.accept_lengths
+
+
+def noisy_oracle_head(llm, seed: int, noise: float = 0.6):
+    """``oracle_head`` with noise on its layer: right often, not always."""
+    head = oracle_head(llm)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.model.layers.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
+    return head
+
+
+@pytest.mark.parametrize("depths", [(1, 0, 0), (2, 0, 0), (2, 1, 0), (1, 0, 5), (2, 2, 5)])
+def test_feature_head_labels_replay_the_engines_own_steps(depths):
+    """A feature head's labels (one LLM forward for its features, one teacher-forced pass of the head,
+    depth 2 from its own predicted features), walked for a policy with SSMs and prompt lookup beside
+    it, give exactly the engine's own steps."""
+    llm = local_llm(11)  # its feature at j depends on token j only: a noisy oracle head agrees often
+    head, ssm = noisy_oracle_head(llm, 5), perturbed(llm, 1, 0.3)
+    widths = (3, 2)
+    eng = engine_from_models(llm, {"feature": head, "ssm-1": ssm}, TreeConfig(widths=widths), lookup=5)
+    prompt = [3, 4, 5, 6, 3, 4, 5, 9, 3, 4]
+    stop = StopCriteria(max_new_tokens=30)
+    spec = FeatureSpec(hidden_size=llm.config.hidden_size, ngram_buckets=4, lookup=True)
+    record = label_request(eng, "p", prompt, stop, chat=False, spec=spec)
+    assert set(record.accepts[:, 0].tolist()) == {0, 1, 2}, "the head should miss, hit once and hit twice"
+    names = list(eng.drafters)  # feature, ssm-1, prompt-lookup
+    trees = {names[j]: TreeConfig(widths=widths[: depths[j]]) for j in (0, 1) if depths[j]}
+    if depths[2]:
+        trees[LOOKUP_NAME] = lookup_tree(depths[2])
+    run = eng.generate(prompt, stop, plan=Plan(trees))
+    assert run.tokens == incremental_generate(llm, prompt, stop).tokens
+    walked = walk(record.labels(), depths, lookup=2)
+    assert walked.steps == run.steps
+    assert np.diff([*walked.starts, len(run.tokens)]).tolist() == run.accept_lengths
+
+
+def test_feature_head_replay_needs_features_and_shallow_trees():
+    llm = local_llm(11)
+    eng = engine_from_models(llm, {"feature": noisy_oracle_head(llm, 5)}, TreeConfig(widths=(2,)))
+    drafter = eng.drafters["feature"]
+    with pytest.raises(ValueError, match="features"):
+        drafter.replay([3, 4], [5, 6], TreeConfig(widths=(2,)))
+    with pytest.raises(ValueError, match="two levels"):
+        drafter.replay([3, 4], [5, 6], TreeConfig(widths=(2, 1, 1)), features=torch.zeros(3, 32))

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import MT_BENCH
 
 from boosttune.config import load_config
 from boosttune.core.rundir import RunDir
@@ -324,5 +325,20 @@ def test_feature_head_trains_after_the_ssms_and_is_evaluated(tmp_path: Path) -> 
     served = load(bundle=tmp_path / "bundle")
     assert list(served.engine.drafters) == ["feature"] and isinstance(served.engine.drafters["feature"], FeatureDrafter)
     stop = StopCriteria(max_new_tokens=16)
+    out = served.generate([1, 2, 3, 4, 5], stop)
+    assert out.tokens == incremental_generate(served.llm.model, [1, 2, 3, 4, 5], stop).tokens
+
+    # a learned scheduler chooses among the SSM, the feature head and prompt lookup; export ships what it chooses among
+    from boosttune.cli import main
+
+    assert main(["train-scheduler", str(run), "--prompts", str(MT_BENCH), "--skip", "2", "--limit", "6", "--max-prompt-tokens", "500",
+                 "--max-new-tokens", "6", "--depths", "1,2", "--widths", "2,1", "--calib-prompts", "1",
+                 "--calib-tokens", "4", "--real-policies", "learned"]) == 0
+    labels = [json.loads(x) for x in (run / "scheduler_labels.jsonl").read_text().splitlines()]
+    assert len(labels) == 6 and all(len(r["accepts"][0]) == 3 for r in labels)  # ssm-1, feature, prompt lookup
+    res = export_bundle(run, tmp_path / "sched-bundle")
+    assert [s.name for s in res.manifest.ssms] == ["ssm-1", "feature"]
+    served = load(bundle=tmp_path / "sched-bundle")
+    assert served.scheduler is not None and "feature" in served.scheduler.drafters
     out = served.generate([1, 2, 3, 4, 5], stop)
     assert out.tokens == incremental_generate(served.llm.model, [1, 2, 3, 4, 5], stop).tokens

@@ -38,6 +38,8 @@ def add_commands(subparsers) -> dict:
     )
     p.add_argument("--limit", type=int, default=None, help="first N prompts (0 = all)")
     p.add_argument("--eval-limit", type=int, default=None, help="first N evaluation prompts (0 = all)")
+    p.add_argument("--skip", type=int, default=None, help="leave out the first N of --prompts (those the run trained on)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="leave out longer requests (0: none)")
     p.add_argument("--train-fraction", type=float, default=None, help="share of --prompts used to fit")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None)
@@ -64,6 +66,8 @@ def add_commands(subparsers) -> dict:
     p.add_argument("--no-stepwise-lookup", action="store_const", const=False, dest="stepwise_lookup", default=None,
                    help="draft prompt lookup to the chosen depth at every step (default: a learned length per "
                         "matched n-gram length)")
+    p.add_argument("--no-feature-head", action="store_const", const=False, dest="feature_head", default=None,
+                   help="leave the run's feature head out of the choice (default: one more drafter to choose)")
     p.add_argument("--calib-prompts", type=int, default=None, help="prompts used to time the SSMs")
     p.add_argument("--calib-tokens", type=int, default=None, help="tokens per timing run")
     p.add_argument(
@@ -106,6 +110,8 @@ def cmd_train_scheduler(args: argparse.Namespace) -> int:
         prompts=args.prompts,
         eval_prompts=args.eval_prompts,
         limit=args.limit,
+        skip=args.skip,
+        max_prompt_tokens=args.max_prompt_tokens,
         eval_limit=args.eval_limit,
         train_fraction=args.train_fraction,
         seed=args.seed,
@@ -121,6 +127,7 @@ def cmd_train_scheduler(args: argparse.Namespace) -> int:
         calib_prompts=args.calib_prompts,
         calib_tokens=args.calib_tokens,
         real_policies=args.real_policies,
+        feature_head=args.feature_head,
     )
     if cfg.draft_vocab:  # runs from before the ranking existed: count it from their teacher outputs
         ensure_draft_ranking(RunDir(args.run_dir))

@@ -22,17 +22,22 @@ it asks :func:`is_feature_head`.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+from transformers import DynamicCache, PreTrainedModel
 
 FEATURE_FILE = "feature_head.json"
 FC_FILE = "feature_fc.safetensors"
 FORMAT = "boosttune.feature_head"
 VERSION = 1
 FC_ATTR = "feature_fc"
+NOT_DRAFTABLE = int(np.iinfo(np.int64).max)
+"""The rank of a token no tree width reaches (outside the draft vocabulary, or nothing to draft from)."""
 
 
 def is_feature_dir(path: str | Path) -> bool:
@@ -60,6 +65,108 @@ def pair_inputs(model: nn.Module, features: Tensor, tokens: Tensor) -> Tensor:
     fc: nn.Linear = getattr(model, FC_ATTR)
     emb = model.get_input_embeddings()(tokens.to(fc.weight.device))
     return fc(torch.cat([emb, features.to(device=fc.weight.device, dtype=fc.weight.dtype)], dim=-1))
+
+
+def second_step(head: PreTrainedModel, cache, hidden: Tensor, tok: Tensor) -> Tensor:
+    """The head's second draft step at every pair, as serving drafts depth 2 (EAGLE-3's "training-time
+    test", Li et al. 2025, arXiv 2503.01840, §3: train the head on its own predictions, not only on the
+    LLM's features).
+
+    Serving feeds a depth-2 node as the pair (the head's predicted feature, its token) one position
+    after the last committed pair, attending to every committed pair and itself
+    (``serving/feature_drafter.py``). Here step-2 pair j = ``(hidden_j, token_{j+2})`` at position
+    j + 1 sees the teacher-forced pairs 0..j (``cache``, filled by the first step) and itself; its
+    output predicts ``F_{j+2}`` and ``token_{j+3}``.
+
+    Args:
+        head: the feature head.
+        cache: the first step's cache over the n teacher-forced pairs.
+        hidden: (B, n, H) the first step's outputs (predicted ``F_{j+1}``).
+        tok: (B, n) the first step's tokens (``token_{j+1}``).
+
+    Returns:
+        (B, n - 1, H) the second step's outputs for j = 0 .. n - 2.
+    """
+    b, n, _ = hidden.shape
+    m = n - 1
+    dev = hidden.device
+    inputs = pair_inputs(head, hidden[:, :m], tok[:, 1:].to(dev))
+    j = torch.arange(m, device=dev)
+    sees_cached = torch.arange(n, device=dev)[None, :] <= j[:, None]  # (m, n) pairs 0..j
+    mask = torch.cat([sees_cached, torch.eye(m, dtype=torch.bool, device=dev)], dim=1)  # (m, n + m)
+    pos = (j + 1).expand(b, m)
+    body = head.base_model
+    return body(inputs_embeds=inputs, attention_mask=mask.expand(b, 1, m, n + m), position_ids=pos,
+                use_cache=True, **{_cache_kw(body): cache}).last_hidden_state
+
+
+@torch.no_grad()
+def teacher_forced_ranks(head: nn.Module, features: Tensor, ids: Sequence[int], prompt_len: int,
+                         rows: Tensor | None = None, second: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Where the LLM's own answer ranks among the head's guesses, at every answer position, as serving
+    drafts: (O,) ranks at depth 1 and, with ``second``, (O,) ranks at depth 2 (0: the head's argmax;
+    ``NOT_DRAFTABLE`` outside the draft vocabulary ``rows``).
+
+    For a step starting at answer position t (the committed text is ``ids[:prompt_len + t]``), depth 1
+    is the guess of pair ``prompt_len + t - 2`` (the LLM's feature before the pending token, and that
+    token) for answer token t; depth 2 is the guess, for answer token t + 1, of the depth-1 node that
+    holds answer token t (:func:`second_step`). Positions with nothing to draft from (a one-token
+    prompt at t = 0) and the depth-2 rank of the last answer token are ``NOT_DRAFTABLE``.
+
+    Args:
+        head: the feature head.
+        features: (>= len(ids) - 1, H) the LLM's features at positions 0 .. len(ids) - 2.
+        ids: prompt then answer token ids.
+        prompt_len: P, the prompt's length (>= 1).
+        rows: (K,) the draft vocabulary's token ids (None: the whole vocabulary).
+        second: also depth 2.
+    """
+    m = len(ids) - 1  # pairs (F_j, ids[j + 1]) → guesses for ids[j + 2]
+    o = len(ids) - prompt_len
+    ranks1 = torch.full((o,), NOT_DRAFTABLE, dtype=torch.long)
+    ranks2 = torch.full((o,), NOT_DRAFTABLE, dtype=torch.long) if second else None
+    if m < 1 or o < 1:
+        return ranks1, ranks2
+    fc: nn.Linear = getattr(head, FC_ATTR)
+    dev = fc.weight.device
+    tok = torch.tensor(list(ids[1:]), device=dev)[None]  # (1, m)
+    inputs = pair_inputs(head, features[:m][None], tok)
+    body = head.base_model
+    cache = DynamicCache(config=head.config) if second else None
+    hidden = body(inputs_embeds=inputs, use_cache=second, **{_cache_kw(body): cache}).last_hidden_state  # (1, m, H)
+    weight = head.get_output_embeddings().weight
+    truth = torch.tensor(list(ids), device=dev)
+    first = max(0, 2 - prompt_len)  # answer position t is guessed by pair j = prompt_len + t - 2 >= 0
+    lo = prompt_len - 2 + first
+    ranks1[first:] = _ranks(hidden[0, lo : m - 1], weight, rows, truth[lo + 2 :])  # pairs lo .. m - 2
+    if second and m - 2 > lo:  # step-2 pair j guesses ids[j + 3]: j = lo .. m - 3
+        assert ranks2 is not None
+        deep = second_step(head, cache, hidden, tok)[0]  # (m - 1, H)
+        ranks2[first : o - 1] = _ranks(deep[lo : m - 2], weight, rows, truth[lo + 3 :])
+    return ranks1, ranks2
+
+
+def _ranks(hidden: Tensor, weight: Tensor, rows: Tensor | None, truth: Tensor) -> Tensor:
+    """(n,) rank of each ``truth`` token among the logits ``hidden @ weight[rows].T`` (``NOT_DRAFTABLE``
+    when it is not among ``rows``)."""
+    w = weight if rows is None else weight[rows.to(weight.device)]
+    logits = hidden.float() @ w.float().T  # (n, K)
+    if rows is None:
+        col, inside = truth, torch.ones_like(truth, dtype=torch.bool)
+    else:
+        where = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)
+        where[rows.to(weight.device)] = torch.arange(rows.numel(), device=weight.device)
+        col = where[truth]
+        inside = col >= 0
+        col = col.clamp(min=0)
+    ranks = (logits > logits.gather(1, col[:, None])).sum(dim=1)
+    return torch.where(inside, ranks, torch.full_like(ranks, NOT_DRAFTABLE)).cpu()
+
+
+def _cache_kw(body: nn.Module) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
 
 
 def save_fc(model: nn.Module, out: str | Path, meta: dict | None = None) -> None:

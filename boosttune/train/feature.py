@@ -32,7 +32,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
 from boosttune.config import FeatureConfig, SSMInitConfig
-from boosttune.core.feature_head import FC_ATTR, new_fc, pair_inputs
+from boosttune.core.feature_head import FC_ATTR, new_fc, pair_inputs, second_step
 from boosttune.serving.runner import cache_keyword
 from boosttune.train.distill import Sample
 from boosttune.train.ssm_init import derive_ssm
@@ -82,39 +82,6 @@ def _batches(lengths: Sequence[int], batch_tokens: int, gen: torch.Generator) ->
         batches.append(cur)
     perm = torch.randperm(len(batches), generator=gen).tolist()
     return [batches[i] for i in perm]
-
-
-def second_step(head: PreTrainedModel, cache, hidden: Tensor, tok: Tensor) -> Tensor:
-    """The head's second draft step at every pair, as serving drafts depth 2 (EAGLE-3's "training-time
-    test", Li et al. 2025, arXiv 2503.01840, §3: train the head on its own predictions, not only on the
-    LLM's features).
-
-    Serving feeds a depth-2 node as the pair (the head's predicted feature, its token) one position
-    after the last committed pair, attending to every committed pair and itself
-    (``serving/feature_drafter.py``). Here step-2 pair j = ``(hidden_j, token_{j+2})`` at position
-    j + 1 sees the teacher-forced pairs 0..j (``cache``, filled by the first step) and itself; its
-    output predicts ``F_{j+2}`` and ``token_{j+3}``.
-
-    Args:
-        head: the feature head.
-        cache: the first step's cache over the n teacher-forced pairs.
-        hidden: (B, n, H) the first step's outputs (predicted ``F_{j+1}``).
-        tok: (B, n) the first step's tokens (``token_{j+1}``).
-
-    Returns:
-        (B, n - 1, H) the second step's outputs for j = 0 .. n - 2.
-    """
-    b, n, _ = hidden.shape
-    m = n - 1
-    dev = hidden.device
-    inputs = pair_inputs(head, hidden[:, :m], tok[:, 1:].to(dev))
-    j = torch.arange(m, device=dev)
-    sees_cached = torch.arange(n, device=dev)[None, :] <= j[:, None]  # (m, n) pairs 0..j
-    mask = torch.cat([sees_cached, torch.eye(m, dtype=torch.bool, device=dev)], dim=1)  # (m, n + m)
-    pos = (j + 1).expand(b, m)
-    body = head.base_model
-    return body(inputs_embeds=inputs, attention_mask=mask.expand(b, 1, m, n + m), position_ids=pos,
-                use_cache=True, **{cache_keyword(body.forward): cache}).last_hidden_state
 
 
 def head_losses(

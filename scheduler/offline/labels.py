@@ -7,7 +7,8 @@ the same for every policy, and logs the measured costs (per-drafter draft second
 seconds against tree size, per-step overhead) that ``calibrate.py`` folds into the cost model. From
 the output, each drafter's ``replay`` (``serving/drafter.py``) then gives, for every position, the
 tokens it alone would have had accepted had a step started there (one teacher-forced forward per
-SSM; the drafter's own string search for prompt lookup), which ``walk.py`` replays for any policy,
+SSM; for a feature head, one LLM forward over the request for its features, then one over the
+head; the drafter's own string search for prompt lookup), which ``walk.py`` replays for any policy,
 step by step.
 """
 
@@ -21,7 +22,7 @@ import torch
 
 from boosttune.scheduler.features import FeatureSpec, RequestFeatures, request_features
 from boosttune.scheduler.offline.walk import Labels
-from boosttune.serving.engine import GenerationResult, SpeculativeEngine
+from boosttune.serving.engine import GenerationResult, SpeculativeEngine, wants_features
 from boosttune.serving.stops import StopCriteria
 
 MAX_NGRAM = 3
@@ -120,8 +121,18 @@ def label_request(
 
     res = engine.generate(ids, stop, planner=capture, record=True)
     columns, lookup, ngram, chain = [], -1, None, None
+    features = None  # the LLM's features over the request, for feature heads: one forward, on demand
     for j, name in enumerate(res.active or []):  # the engine's drafter order, as its step records
-        replay = engine.drafters[name].replay(ids, res.tokens, engine.plan.trees[name])
+        drafter, tree = engine.drafters[name], engine.plan.trees[name]
+        if wants_features(drafter):
+            if features is None:
+                engine.llm.reset()
+                seen = [*ids, *res.tokens][:-1]  # every position but the last has a feature
+                features = (engine.llm.chain_hidden(torch.tensor(seen, dtype=torch.long)) if seen
+                            else torch.zeros(0, engine.llm.model.config.hidden_size))
+            replay = drafter.replay(ids, res.tokens, tree, features=features)
+        else:
+            replay = drafter.replay(ids, res.tokens, tree)
         if replay.ngram is not None:  # prompt lookup: its draft depends on the match at each position
             if lookup >= 0:
                 raise ValueError(f"labels take one prompt-lookup drafter; the plan has more ({res.active})")

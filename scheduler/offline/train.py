@@ -8,7 +8,7 @@ Writes::
     RUN_DIR/scheduler_report.png         tokens/s by policy
     RUN_DIR/scheduler_labels.jsonl       the labelled requests (features, per-step acceptances)
 
-Steps: load the run's LLM and SSMs; label the train and eval prompts (every SSM merged at the
+Steps: load the run's LLM and SSMs (and its feature head, ``scheduler.feature_head``); label the train and eval prompts (every SSM merged at the
 label depth, full information); time every (SSM, depth) and plain decoding (cost model); fit the
 acceptance model on the train requests; replay every policy on the eval requests and run the
 ``real_policies`` through the engine, interleaved per request.
@@ -28,7 +28,7 @@ import numpy as np
 
 from boosttune.assemble import engine_from_models
 from boosttune.config import SchedulerConfig
-from boosttune.core.files import MARKER, atomic_write_json, atomic_write_text, mark_complete
+from boosttune.core.files import MARKER, atomic_write_json, atomic_write_text, is_complete, mark_complete
 from boosttune.core.models import eos_token_ids, load_llm_and_ssms
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.core.rundir import RunDir
@@ -70,7 +70,7 @@ def split_prompts(cfg: SchedulerConfig) -> tuple[list, list]:
             "scheduler.prompts is not set: give a JSONL/text file of prompts held out from SSM "
             "training (e.g. MT-bench's question.jsonl) in the config's scheduler: section or --prompts"
         )
-    prompts = read_prompts(cfg.prompts)[: cfg.limit or None]
+    prompts = read_prompts(cfg.prompts)[cfg.skip :][: cfg.limit or None]
     if cfg.eval_prompts is not None:
         return prompts, read_prompts(cfg.eval_prompts)[: cfg.eval_limit or None]
     order = list(range(len(prompts)))
@@ -99,13 +99,19 @@ def _setup(run: RunDir, cfg: SchedulerConfig) -> _Setup:
     ssm_paths = run.ssm_dirs()
     if not ssm_paths:
         raise ValueError(f"{run}: no complete SSMs under ssms/; the scheduler needs trained SSMs")
+    widths = resolve_widths(cfg, report.get("tree"))
+    if cfg.feature_head and is_complete(run.feature_dir):
+        if len(widths[: cfg.label_depth]) > 2:
+            raise ValueError(f"scheduler.widths: the run's feature head is labelled on trees of at most two levels, "
+                             f"got {list(widths[: cfg.label_depth])}; set scheduler.widths (e.g. [3]) or "
+                             "scheduler.feature_head: false")
+        ssm_paths.append(run.feature_dir)
     train_prompts, eval_prompts = split_prompts(cfg)
     if len(train_prompts) < 3 or not eval_prompts:
         raise ValueError(
             f"scheduler: {len(train_prompts)} train and {len(eval_prompts)} eval prompts; need >= 3 "
             "and >= 1 (raise scheduler.limit or change scheduler.train_fraction)"
         )
-    widths = resolve_widths(cfg, report.get("tree"))
     dtype = cfg.dtype or report["llm"].get("dtype") or "fp32"
     ssm_dtype = cfg.ssm_dtype or dtype
     llm, ssms = load_llm_and_ssms(report["llm"]["ref"], [str(p) for p in ssm_paths], dtype, ssm_dtype)
@@ -121,7 +127,15 @@ def _setup(run: RunDir, cfg: SchedulerConfig) -> _Setup:
     named = {path.name: s.model for path, s in zip(ssm_paths, ssms, strict=True)}
     engine = engine_from_models(llm.model, named, label_tree, ranking=ranking, lookup=lookup)
     hidden = int(llm.model.get_output_embeddings().weight.shape[1])
-    encoded = [(p.id, encode_prompt(llm.tokenizer, p, chat=cfg.chat)) for p in train_prompts + eval_prompts]
+    def encoded_of(prompts: list) -> list[tuple[str, list[int]]]:
+        pairs = [(p.id, encode_prompt(llm.tokenizer, p, chat=cfg.chat)) for p in prompts]
+        return [(i, ids) for i, ids in pairs if not cfg.max_prompt_tokens or len(ids) <= cfg.max_prompt_tokens]
+
+    train_req, eval_req = encoded_of(train_prompts), encoded_of(eval_prompts)
+    if len(train_req) < 3 or not eval_req:
+        raise ValueError(f"scheduler.max_prompt_tokens: {len(train_req)} train and {len(eval_req)} eval prompts "
+                         "are short enough; need >= 3 and >= 1 (raise it or scheduler.limit)")
+    encoded = train_req + eval_req
     eos = eos_token_ids(llm)
     _warm_up(engine, encoded[0][1], eos)
     names = list(engine.drafters)
@@ -132,8 +146,8 @@ def _setup(run: RunDir, cfg: SchedulerConfig) -> _Setup:
         widths=widths,
         meta={"llm": report["llm"]["ref"], "dtype": dtype, "ssm_dtype": ssm_dtype, "ssms": names,
               "draft_vocab": cfg.draft_vocab, "prompt_lookup": cfg.prompt_lookup},
-        train_req=encoded[: len(train_prompts)],
-        eval_req=encoded[len(train_prompts) :],
+        train_req=train_req,
+        eval_req=eval_req,
         stop=StopCriteria(max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos),
     )
 
