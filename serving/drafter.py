@@ -27,14 +27,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from boosttune.core.ranks import token_ranks
 from boosttune.serving.builders import TreeConfig, choose_children, subtree
 from boosttune.serving.draft_vocab import head_ids
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams, logits_to_probs
 from boosttune.serving.tree import TokenTree, ancestor_mask
-
-NOT_DRAFTABLE = np.iinfo(np.int64).max
-"""The rank of a token outside the draft vocabulary: no tree width reaches it."""
 
 
 @dataclass(frozen=True)
@@ -263,19 +261,4 @@ def draft_ranks(model, prompt: Sequence[int], out: Sequence[int], head: Tensor |
     weight = model.get_output_embeddings().weight
     ids = torch.tensor([[*prompt, *out[:-1]]], dtype=torch.long, device=weight.device)
     hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0, p - 1 :]  # (O, H)
-    rows = weight if head is None else weight[head.to(weight.device)]
-    logits = (hidden @ rows.T).float()  # (O, K)
-    truth = torch.tensor(out, dtype=torch.long, device=weight.device)
-    if head is None:  # an LLM token past the SSM's vocabulary cannot be drafted
-        inside = truth < weight.shape[0]
-        col = truth.clamp(max=weight.shape[0] - 1)
-    else:
-        where = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)
-        where[head.to(weight.device)] = torch.arange(head.numel(), device=weight.device)
-        col = where[truth]
-        inside = col >= 0
-        col = col.clamp(min=0)
-    true_logit = logits.gather(1, col[:, None])  # (O, 1)
-    ranks = (logits > true_logit).sum(dim=1).cpu().numpy().astype(np.int64)
-    ranks[~inside.cpu().numpy()] = NOT_DRAFTABLE
-    return ranks
+    return token_ranks(hidden, weight, head, torch.tensor(out, dtype=torch.long)).numpy()

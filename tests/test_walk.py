@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 
+from boosttune.core.ranks import NOT_DRAFTABLE
 from boosttune.scheduler.costs import CostModel
 from boosttune.scheduler.features import RequestFeatures
 from boosttune.scheduler.offline.evaluate import mean_tokens_per_s
@@ -16,7 +17,7 @@ from boosttune.scheduler.offline.stepwise import fit_ngram_depths
 from boosttune.scheduler.offline.walk import Labels, walk, walk_seconds
 from boosttune.scheduler.policy import Candidate
 from boosttune.serving.builders import TreeConfig
-from boosttune.serving.drafter import NOT_DRAFTABLE, draft_ranks
+from boosttune.serving.drafter import draft_ranks
 from boosttune.serving.lookup import find_match, lookup_positions
 
 

@@ -25,19 +25,18 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedModel
+
+from boosttune.core.ranks import NOT_DRAFTABLE, token_ranks
 
 FEATURE_FILE = "feature_head.json"
 FC_FILE = "feature_fc.safetensors"
 FORMAT = "boosttune.feature_head"
 VERSION = 1
 FC_ATTR = "feature_fc"
-NOT_DRAFTABLE = int(np.iinfo(np.int64).max)
-"""The rank of a token no tree width reaches (outside the draft vocabulary, or nothing to draft from)."""
 
 
 def is_feature_dir(path: str | Path) -> bool:
@@ -138,29 +137,12 @@ def teacher_forced_ranks(head: nn.Module, features: Tensor, ids: Sequence[int], 
     truth = torch.tensor(list(ids), device=dev)
     first = max(0, 2 - prompt_len)  # answer position t is guessed by pair j = prompt_len + t - 2 >= 0
     lo = prompt_len - 2 + first
-    ranks1[first:] = _ranks(hidden[0, lo : m - 1], weight, rows, truth[lo + 2 :])  # pairs lo .. m - 2
+    ranks1[first:] = token_ranks(hidden[0, lo : m - 1], weight, rows, truth[lo + 2 :])  # pairs lo .. m - 2
     if second and m - 2 > lo:  # step-2 pair j guesses ids[j + 3]: j = lo .. m - 3
         assert ranks2 is not None
         deep = second_step(head, cache, hidden, tok)[0]  # (m - 1, H)
-        ranks2[first : o - 1] = _ranks(deep[lo : m - 2], weight, rows, truth[lo + 3 :])
+        ranks2[first : o - 1] = token_ranks(deep[lo : m - 2], weight, rows, truth[lo + 3 :])
     return ranks1, ranks2
-
-
-def _ranks(hidden: Tensor, weight: Tensor, rows: Tensor | None, truth: Tensor) -> Tensor:
-    """(n,) rank of each ``truth`` token among the logits ``hidden @ weight[rows].T`` (``NOT_DRAFTABLE``
-    when it is not among ``rows``)."""
-    w = weight if rows is None else weight[rows.to(weight.device)]
-    logits = hidden.float() @ w.float().T  # (n, K)
-    if rows is None:
-        col, inside = truth, torch.ones_like(truth, dtype=torch.bool)
-    else:
-        where = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)
-        where[rows.to(weight.device)] = torch.arange(rows.numel(), device=weight.device)
-        col = where[truth]
-        inside = col >= 0
-        col = col.clamp(min=0)
-    ranks = (logits > logits.gather(1, col[:, None])).sum(dim=1)
-    return torch.where(inside, ranks, torch.full_like(ranks, NOT_DRAFTABLE)).cpu()
 
 
 def _cache_kw(body: nn.Module) -> str:
