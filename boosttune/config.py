@@ -241,6 +241,9 @@ class EvalConfig:
     """Chat prompts for τ (JSONL/text); empty = the held-out prompts of this run."""
     limit: int = 8
     max_new_tokens: int = 64
+    prompt_lookup: int = 8
+    """Each drafter option is also measured merged with a prompt-lookup drafter of chains up to this
+    long (0: not); export ships lookup with the drafters when that was the fastest option."""
 
 
 POLICY_NAMES = ("learned", "all", "best_fixed", "none")
@@ -597,6 +600,7 @@ def validate(cfg: TrainConfig) -> None:
                f"{cfg.teacher.reuse_from} is not a run directory with a finished prompt set")
     if cfg.eval.prompts:
         _check(Path(cfg.eval.prompts).is_file(), "eval.prompts", f"file not found: {cfg.eval.prompts}")
+    _check(cfg.eval.prompt_lookup >= 0, "eval.prompt_lookup", f"must be >= 0 (0: off), got {cfg.eval.prompt_lookup}")
 
 
 def _check_openai_teacher(t: TeacherConfig) -> None:

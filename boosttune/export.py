@@ -66,32 +66,45 @@ class Choice:
     Attributes:
         drafters: their names (one SSM, the feature head, or every SSM merged).
         speedup: their tokens/s over plain decoding's, in that evaluation.
-        others: every other option's speed-up there, by label ("ssm-K", "feature", "ensemble").
+        others: every other option's speed-up there, by label ("ssm-K", "feature", "ensemble", each
+            also "+ lookup N" where the evaluation measured it merged with prompt lookup).
+        prompt_lookup: the prompt-lookup chain length measured with them (0: without prompt lookup).
     """
 
     drafters: list[str]
     speedup: float
     others: dict[str, float]
+    prompt_lookup: int = 0
 
 
 def fastest_drafters(evaluation: dict | None, available: Sequence[str]) -> Choice | None:
     """The option of a run's evaluation with the highest speed-up whose drafters are all ``available``:
-    each SSM alone, the feature head alone, or all SSMs merged (the ensemble). None when the run was
-    not evaluated (``eval.enabled: false``, or a report from before evaluation measured speed)."""
+    each SSM alone, the feature head alone, or all SSMs merged (the ensemble), each with or without
+    prompt lookup where the evaluation measured both. None when the run was not evaluated
+    (``eval.enabled: false``, or a report from before evaluation measured speed)."""
     if not isinstance(evaluation, dict):
         return None
     singles = [s for s in evaluation.get("singles", []) if isinstance(s, dict) and "speedup" in s]
-    options = {s["ssm"]: ([s["ssm"]], s["speedup"]) for s in singles}
+    rows = {s["ssm"]: ([s["ssm"]], s) for s in singles}
     if isinstance(evaluation.get("feature"), dict) and "speedup" in evaluation["feature"]:
-        options[FEATURE_NAME] = ([FEATURE_NAME], evaluation["feature"]["speedup"])
+        rows[FEATURE_NAME] = ([FEATURE_NAME], evaluation["feature"])
     if isinstance(evaluation.get("ensemble"), dict) and "speedup" in evaluation["ensemble"]:
-        options["ensemble"] = ([s["ssm"] for s in singles], evaluation["ensemble"]["speedup"])
-    options = {label: o for label, o in options.items() if o[0] and set(o[0]) <= set(available)}
+        rows["ensemble"] = ([s["ssm"] for s in singles], evaluation["ensemble"])
+    options: dict[str, tuple[list[str], float, int]] = {}
+    for label, (names, row) in rows.items():
+        if not names or not set(names) <= set(available):
+            continue
+        options[label] = (names, float(row["speedup"]), 0)
+        look = row.get("lookup")
+        if isinstance(look, dict) and "speedup" in look and look.get("prompt_lookup"):
+            n = int(look["prompt_lookup"])
+            options[f"{label} + lookup {n}"] = (names, float(look["speedup"]), n)
     if not options:
         return None
     best = max(options, key=lambda label: options[label][1])
-    return Choice(drafters=options[best][0], speedup=float(options[best][1]),
-                  others={label: float(o[1]) for label, o in options.items() if label != best})
+    names, speedup, lookup = options[best]
+    return Choice(drafters=names, speedup=speedup, others={label: o[1] for label, o in options.items() if label != best},
+                  prompt_lookup=lookup)
 
 
 def _versions() -> dict[str, str]:
@@ -171,7 +184,7 @@ def _file_table(root: Path) -> dict[str, FileEntry]:
 
 def export_bundle(
     run_dir: str | Path, out: str | Path, force: bool = False, draft_vocab: int | None = None,
-    prompt_lookup: int = 0, drafters: Sequence[str] | None = None,
+    prompt_lookup: int | None = None, drafters: Sequence[str] | None = None,
 ) -> ExportResult:
     """Write the bundle of a training run.
 
@@ -181,7 +194,8 @@ def export_bundle(
         force: replace an existing ``out``.
         draft_vocab: the bundle tree's draft vocabulary size (None: the run's tree's; 0: whole).
         prompt_lookup: the bundle's default prompt-lookup chain length (``serving/lookup.py``), used
-            when no learned scheduler decides (0: off).
+            when no learned scheduler decides (0: off; None: what the run's evaluation measured fastest
+            with the drafters it shipped, when export chose them, else off).
         drafters: the run's drafters to ship, by name (ssm-K, and ``feature`` for the run's feature
             head). None: with a learned scheduler, the drafters it was trained to choose among per
             request (a bundle whose drafters differ from its scheduler's is refused when it loads);
@@ -218,6 +232,8 @@ def export_bundle(
     if not ssm_dirs:
         raise ValueError(f"{run}: no complete SSM under ssms/ (no complete.json); finish `boosttune train` first")
     check_out(out, run, force)
+    if prompt_lookup is None:
+        prompt_lookup = choice.prompt_lookup if choice is not None else 0
     if prompt_lookup < 0:
         raise ValueError(f"--prompt-lookup must be >= 0 (0 = off), got {prompt_lookup}")
     tree = _tree(report, run)

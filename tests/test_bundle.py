@@ -422,6 +422,30 @@ def test_fastest_drafters_picks_the_measured_best_among_what_ships():
     assert fastest_drafters({"singles": [{"ssm": "ssm-1", "tau": 1.2}]}, ["ssm-1"]) is None
 
 
+def test_fastest_drafters_weighs_prompt_lookup_where_the_evaluation_measured_it(tmp_path):
+    from boosttune.export import fastest_drafters
+
+    ev = _evaluation({"ssm-1": 1.05, "ssm-2": 1.17, "feature": 1.39})
+    ev["feature"]["lookup"] = {"prompt_lookup": 8, "tau": 1.9, "speedup": 1.52}
+    ev["singles"][1]["lookup"] = {"prompt_lookup": 8, "tau": 1.6, "speedup": 1.12}
+    best = fastest_drafters(ev, ["ssm-1", "ssm-2", "feature"])
+    assert best.drafters == ["feature"] and best.prompt_lookup == 8 and best.speedup == 1.52
+    assert best.others == {"ssm-1": 1.05, "ssm-2": 1.17, "ssm-2 + lookup 8": 1.12, "feature": 1.39}
+    ev["feature"]["lookup"]["speedup"] = 1.2  # lookup slower with the head: the head alone
+    best = fastest_drafters(ev, ["ssm-1", "ssm-2", "feature"])
+    assert best.drafters == ["feature"] and best.prompt_lookup == 0
+    # export ships the chosen lookup length unless --prompt-lookup says otherwise
+    run = make_run_dir(tmp_path / "run", n_ssms=2, scheduler=False, ranking=False)
+    report = json.loads((run / "report.json").read_text())
+    report["evaluation"] = _evaluation({"ssm-1": 0.98, "ssm-2": 1.15})
+    report["evaluation"]["singles"][0]["lookup"] = {"prompt_lookup": 6, "tau": 1.7, "speedup": 1.3}
+    (run / "report.json").write_text(json.dumps(report))
+    res = export_bundle(run, tmp_path / "b")
+    assert res.choice.drafters == ["ssm-1"] and res.manifest.prompt_lookup == 6
+    assert export_bundle(run, tmp_path / "b0", prompt_lookup=0).manifest.prompt_lookup == 0
+    assert load_bundle(res.bundle).manifest.prompt_lookup == 6
+
+
 def test_export_ships_what_the_run_measured_fastest_unless_told(tmp_path, capsys):
     """Without a learned scheduler every request drafts with every drafter a bundle ships, so export
     ships the run's fastest option (here SSM 2 alone, not the slower merged pair), says why, and ships

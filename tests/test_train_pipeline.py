@@ -306,6 +306,8 @@ def test_feature_head_trains_after_the_ssms_and_is_evaluated(tmp_path: Path) -> 
     assert is_feature_head(head.model)
     row = report["evaluation"]["feature"]
     assert row["tau"] >= 1.0 and row["tokens"] > 0 and row["draft_vocab"] == 8192
+    assert row["lookup"]["prompt_lookup"] == 8 and row["lookup"]["tau"] >= 1.0  # also measured with prompt lookup
+    assert all("lookup" in s for s in report["evaluation"]["singles"])
     before = digest(run / "ssms")
     ok(train(run, *args))  # finished: nothing retrained
     assert digest(run / "ssms") == before

@@ -33,14 +33,15 @@ def add_commands(sub) -> dict:
     e.add_argument("--drafters", default=None, metavar="NAMES",
                    help="bundle: the run's drafters to ship, comma-separated (ssm-1, ..., feature for the run's "
                         "feature head); without a learned scheduler every request drafts with all of them. "
-                        "Default: with a scheduler, every SSM; without one, what the run's evaluation measured "
-                        "fastest (one SSM, the feature head, or all SSMs merged)")
+                        "Default: with a scheduler, the drafters it chooses among; without one, what the run's "
+                        "evaluation measured fastest (one SSM, the feature head, or all SSMs merged)")
     e.add_argument("--draft-vocab", type=int, default=None, metavar="K",
                    help="bundle: SSMs draft over the K tokens the LLM writes most (cheaper drafts; 0: whole "
                         "vocabulary; default: the run's tree)")
     e.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
                    help="bundle: serve with a prompt-lookup drafter proposing up to N tokens when no learned "
-                        "scheduler decides (no scheduler in the bundle, or serve --no-scheduler); 0 = off (default)")
+                        "scheduler decides (no scheduler in the bundle, or serve --no-scheduler); 0 = off; default: "
+                        "as the run's evaluation measured fastest with the drafters export chose, else off")
     e.add_argument("--gguf-type", choices=GGUF_TYPES, default=None,
                    help=f"gguf: weight type of the files (default {GGUF_TYPES[0]}; norms stay f32)")
     e.add_argument("--llm-gguf", default=None, metavar="PATH",
@@ -80,7 +81,7 @@ def _export_bundle(args: argparse.Namespace) -> int:
         ensure_draft_ranking(run)
     drafters = [n.strip() for n in args.drafters.split(",") if n.strip()] if args.drafters else None
     res = export_bundle(run, args.out, force=args.force, draft_vocab=args.draft_vocab, drafters=drafters,
-                        prompt_lookup=args.prompt_lookup or 0)
+                        prompt_lookup=args.prompt_lookup)
     m = res.manifest
     print(
         f"bundle {res.bundle}: LLM {m.llm.ref} (sha256 {m.llm.sha256[:12]}), "
@@ -96,7 +97,8 @@ def _export_bundle(args: argparse.Namespace) -> int:
 def _choice_line(choice: Choice) -> str:
     """Why export shipped the drafters it chose, with what it left out."""
     others = ", ".join(f"{label} {s:.2f}x" for label, s in sorted(choice.others.items(), key=lambda kv: -kv[1]))
-    line = (f"drafters {', '.join(choice.drafters)}: fastest in the run's evaluation, "
+    with_lookup = f" + prompt lookup {choice.prompt_lookup}" if choice.prompt_lookup else ""
+    line = (f"drafters {', '.join(choice.drafters)}{with_lookup}: fastest in the run's evaluation, "
             f"{choice.speedup:.2f}x plain decoding on its held-out requests")
     line += f" (others: {others})" if others else ""
     if choice.speedup < 1.0:

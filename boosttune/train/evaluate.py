@@ -2,8 +2,9 @@
 
 Greedy decoding of held-out prompts (``eval.prompts``, else the run's held-out prompts) with the
 LLM in ``llm.eval_dtype``; every SSM drafts the ``tree:`` section's tree (the one a bundle of the run
-serves by default) and the ensemble merges all SSMs' trees (shared prefixes deduplicated). τ counts
-the bonus token (DESIGN.md).
+serves by default) and the ensemble merges all SSMs' trees (shared prefixes deduplicated); with
+``eval.prompt_lookup`` each option is measured again merged with prompt lookup (its ``lookup`` entry), so
+that export can ship the fastest of all. τ counts the bonus token (DESIGN.md).
 """
 
 from __future__ import annotations
@@ -76,9 +77,12 @@ def evaluate_run(cfg: TrainConfig, run: RunDir, held_out: list[TrainPrompt]) -> 
     runs = [(ssm_name(k + 1), [s.model]) for k, s in enumerate(ssms)]
     if len(ssms) > 1:
         runs.append(("ensemble", [s.model for s in ssms]))
+    look = cfg.eval.prompt_lookup
     for name, models in progress(runs, desc="evaluate τ", unit="config"):
-        r = tau_of(engine_from_models(llm.model, models, tree, ranking=ranking), prompts, stop)
-        r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
+        r = _measured(engine_from_models(llm.model, models, tree, ranking=ranking), prompts, stop, plain)
+        if look:
+            r["lookup"] = _with_lookup(engine_from_models(llm.model, models, tree, ranking=ranking, lookup=look),
+                                       prompts, stop, plain, look)
         if name == "ensemble":
             out["ensemble"] = r
         else:
@@ -97,10 +101,28 @@ def evaluate_run(cfg: TrainConfig, run: RunDir, held_out: list[TrainPrompt]) -> 
 def feature_tau(cfg: TrainConfig, run: RunDir, llm, tree: TreeConfig, prompts: list[list[int]], stop: StopCriteria,
                 plain: dict) -> dict:
     """τ, speed and c of the run's feature head alone, on the run's tree shape with the head's draft
-    vocabulary (the one it was trained over)."""
+    vocabulary (the one it was trained over); with ``eval.prompt_lookup``, also merged with prompt lookup."""
     head = load_model(str(run.feature_dir), llm.dtype)
     tree = replace(tree, draft_vocab=cfg.feature.draft_vocab)
     ranking = load_ranking(run.draft_vocab_path) if tree.draft_vocab else None
-    r = tau_of(engine_from_models(llm, {FEATURE_NAME: head.model}, tree, ranking=ranking), prompts, stop)
+    named = {FEATURE_NAME: head.model}
+    r = _measured(engine_from_models(llm, named, tree, ranking=ranking), prompts, stop, plain)
+    out = {**r, "c": relative_cost(r, plain, tree.max_depth), "draft_vocab": tree.draft_vocab}
+    if cfg.eval.prompt_lookup:
+        out["lookup"] = _with_lookup(engine_from_models(llm, named, tree, ranking=ranking, lookup=cfg.eval.prompt_lookup),
+                                     prompts, stop, plain, cfg.eval.prompt_lookup)
+    return out
+
+
+def _measured(engine: SpeculativeEngine, prompts: list[list[int]], stop: StopCriteria, plain: dict) -> dict:
+    """``tau_of`` plus the speed-up over plain decoding's tokens/s."""
+    r = tau_of(engine, prompts, stop)
     r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
-    return {**r, "c": relative_cost(r, plain, tree.max_depth), "draft_vocab": tree.draft_vocab}
+    return r
+
+
+def _with_lookup(engine: SpeculativeEngine, prompts: list[list[int]], stop: StopCriteria, plain: dict,
+                 length: int) -> dict:
+    """τ, tokens/s and speed-up of an option merged with prompt lookup of chains up to ``length``."""
+    r = _measured(engine, prompts, stop, plain)
+    return {"prompt_lookup": length, **{k: r[k] for k in ("tau", "tokens", "steps", "tokens_per_s", "speedup")}}
