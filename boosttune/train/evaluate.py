@@ -77,12 +77,8 @@ def evaluate_run(cfg: TrainConfig, run: RunDir, held_out: list[TrainPrompt]) -> 
     runs = [(ssm_name(k + 1), [s.model]) for k, s in enumerate(ssms)]
     if len(ssms) > 1:
         runs.append(("ensemble", [s.model for s in ssms]))
-    look = cfg.eval.prompt_lookup
     for name, models in progress(runs, desc="evaluate τ", unit="config"):
-        r = _measured(engine_from_models(llm.model, models, tree, ranking=ranking), prompts, stop, plain)
-        if look:
-            r["lookup"] = _with_lookup(engine_from_models(llm.model, models, tree, ranking=ranking, lookup=look),
-                                       prompts, stop, plain, look)
+        r = _option(llm.model, models, tree, ranking, prompts, stop, plain, cfg.eval.prompt_lookup)
         if name == "ensemble":
             out["ensemble"] = r
         else:
@@ -105,24 +101,21 @@ def feature_tau(cfg: TrainConfig, run: RunDir, llm, tree: TreeConfig, prompts: l
     head = load_model(str(run.feature_dir), llm.dtype)
     tree = replace(tree, draft_vocab=cfg.feature.draft_vocab)
     ranking = load_ranking(run.draft_vocab_path) if tree.draft_vocab else None
-    named = {FEATURE_NAME: head.model}
-    r = _measured(engine_from_models(llm, named, tree, ranking=ranking), prompts, stop, plain)
-    out = {**r, "c": relative_cost(r, plain, tree.max_depth), "draft_vocab": tree.draft_vocab}
-    if cfg.eval.prompt_lookup:
-        out["lookup"] = _with_lookup(engine_from_models(llm, named, tree, ranking=ranking, lookup=cfg.eval.prompt_lookup),
-                                     prompts, stop, plain, cfg.eval.prompt_lookup)
-    return out
+    r = _option(llm, {FEATURE_NAME: head.model}, tree, ranking, prompts, stop, plain, cfg.eval.prompt_lookup)
+    return {**r, "c": relative_cost(r, plain, tree.max_depth), "draft_vocab": tree.draft_vocab}
 
 
-def _measured(engine: SpeculativeEngine, prompts: list[list[int]], stop: StopCriteria, plain: dict) -> dict:
-    """``tau_of`` plus the speed-up over plain decoding's tokens/s."""
-    r = tau_of(engine, prompts, stop)
-    r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
+def _option(llm, drafters, tree: TreeConfig, ranking, prompts: list[list[int]], stop: StopCriteria, plain: dict,
+            lookup: int) -> dict:
+    """τ, tokens/s and speed-up over plain decoding of one option (these drafters on ``tree``); with
+    ``lookup`` > 0 the same merged with prompt lookup of chains up to that long, as its ``lookup`` entry."""
+    def measured(**extra) -> dict:
+        r = tau_of(engine_from_models(llm, drafters, tree, ranking=ranking, **extra), prompts, stop)
+        r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
+        return r
+
+    r = measured()
+    if lookup:
+        m = measured(lookup=lookup)
+        r["lookup"] = {"prompt_lookup": lookup, **{k: m[k] for k in ("tau", "tokens", "steps", "tokens_per_s", "speedup")}}
     return r
-
-
-def _with_lookup(engine: SpeculativeEngine, prompts: list[list[int]], stop: StopCriteria, plain: dict,
-                 length: int) -> dict:
-    """τ, tokens/s and speed-up of an option merged with prompt lookup of chains up to ``length``."""
-    r = _measured(engine, prompts, stop, plain)
-    return {"prompt_lookup": length, **{k: r[k] for k in ("tau", "tokens", "steps", "tokens_per_s", "speedup")}}
