@@ -209,6 +209,10 @@ class FeatureConfig:
         depth2_weight: weight of the same two losses at the second draft step, where the head reads
             its own predicted feature as serving's depth-2 nodes do (EAGLE-3's training-time test,
             arXiv 2503.01840; ``train/feature.py`` ``second_step``); 0: depth 1 only (EAGLE's recipe).
+        prompt_weight: weight of the cross-entropy at prompt positions, relative to the answer's (the
+            LLM's distribution there is as good a target as anywhere, and the teacher recorded those
+            features anyway: more targets at no teacher cost); 0: answers only (EAGLE's recipe).
+        weight_decay: AdamW's decoupled weight decay on the trained weights.
     """
 
     enabled: bool = False
@@ -222,6 +226,8 @@ class FeatureConfig:
     noise: float = 0.1
     draft_vocab: int = 8192
     depth2_weight: float = 0.0
+    prompt_weight: float = 0.0
+    weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -232,6 +238,9 @@ class FeatureConfig:
             raise ValueError("feature: batch_tokens >= 16, lr > 0, draft_vocab >= 0 and noise >= 0 are required")
         if self.depth2_weight < 0:
             raise ValueError(f"feature.depth2_weight must be >= 0 (0: depth 1 only), got {self.depth2_weight}")
+        if self.prompt_weight < 0 or self.weight_decay < 0:
+            raise ValueError(f"feature.prompt_weight and feature.weight_decay must be >= 0, got {self.prompt_weight} "
+                             f"and {self.weight_decay}")
 
 
 @dataclass

@@ -182,3 +182,26 @@ def test_training_the_second_step_lowers_its_loss():
     assert after[1.0]["top1_2"] >= after[0.0]["top1_2"], after
     with pytest.raises(ValueError, match="depth2_weight"):
         FeatureConfig(depth2_weight=-1)
+
+
+def test_prompt_weight_adds_the_prompts_targets_and_zero_keeps_answers_only():
+    """``feature.prompt_weight``: 0 is the answers-only cross-entropy whatever the prompt pairs' targets
+    say; above 0 those targets (the LLM's distribution there) enter the loss; ``top1`` stays the answers'."""
+    from boosttune.train.feature import _step_losses
+
+    g = torch.Generator().manual_seed(1)
+    hidden, f_out, w = torch.randn(1, 6, 8, generator=g), torch.randn(1, 6, 8, generator=g), torch.randn(16, 8, generator=g)
+    valid = torch.ones(1, 6, dtype=torch.bool)
+    cont = torch.tensor([[False, False, True, True, True, True]])
+    changed = f_out.clone()
+    changed[0, 1] = torch.randn(8, generator=g) * 3  # a prompt pair's target
+    base, moved = (_step_losses(hidden, x, valid, cont, w, "") for x in (f_out, changed))
+    with_p, moved_p = (_step_losses(hidden, x, valid, cont, w, "", 1.0) for x in (f_out, changed))
+    assert float(base["ce"]) == pytest.approx(float(moved["ce"]))  # the prompt's targets do not count at 0
+    assert float(with_p["ce"]) != pytest.approx(float(moved_p["ce"]))  # ... and do above 0
+    assert float(with_p["ce"]) != pytest.approx(float(base["ce"]))
+    assert float(with_p["top1"]) == float(base["top1"])
+    half = _step_losses(hidden, f_out, valid, cont, w, "", 0.5)["ce"]  # a weighted mean between the two
+    assert min(float(base["ce"]), float(with_p["ce"])) < float(half) < max(float(base["ce"]), float(with_p["ce"]))
+    with pytest.raises(ValueError, match="prompt_weight"):
+        FeatureConfig(prompt_weight=-1.0)

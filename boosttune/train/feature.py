@@ -86,7 +86,7 @@ def _batches(lengths: Sequence[int], batch_tokens: int, gen: torch.Generator) ->
 
 def head_losses(
     head: PreTrainedModel, samples: Sequence[Sample], feats: Sequence[Tensor], rows: Tensor, noise: float,
-    gen: torch.Generator | None = None, depth2: bool = False,
+    gen: torch.Generator | None = None, depth2: bool = False, prompt_weight: float = 0.0,
 ) -> dict[str, Tensor]:
     """The losses on one batch (and top-1 agreement with the LLM's argmax, a diagnostic).
 
@@ -98,6 +98,8 @@ def head_losses(
         noise: half-width of the uniform input noise (0 for evaluation).
         gen: the noise's generator.
         depth2: also the second draft step's losses (``reg2``, ``ce2``, ``top1_2``; :func:`second_step`).
+        prompt_weight: the cross-entropy's weight at prompt pairs relative to the continuation's
+            (``top1`` stays the continuation's).
     """
     b, width = len(samples), feats[0].shape[1]
     n = max(len(s.ids) for s in samples) - 1  # pairs of the longest sample
@@ -126,22 +128,28 @@ def head_losses(
                   **{cache_keyword(body.forward): cache}).last_hidden_state  # (B, n, H)
     valid, cont, f_out = valid.to(dev), cont.to(dev), f_out.to(dev)
     w = head.get_output_embeddings().weight[rows.to(dev)].float()  # (K, H), frozen
-    out = _step_losses(hidden, f_out, valid, cont, w, "")
+    out = _step_losses(hidden, f_out, valid, cont, w, "", prompt_weight)
     if depth2:  # step-2 pair j predicts F_{j+2}: pair j + 1's target
         second = second_step(head, cache, hidden, tok)
-        out |= _step_losses(second, f_out[:, 1:], valid[:, 1:], cont[:, 1:], w, "2")
+        out |= _step_losses(second, f_out[:, 1:], valid[:, 1:], cont[:, 1:], w, "2", prompt_weight)
     return out
 
 
-def _step_losses(hidden: Tensor, f_out: Tensor, valid: Tensor, cont: Tensor, w: Tensor, suffix: str) -> dict[str, Tensor]:
+def _step_losses(hidden: Tensor, f_out: Tensor, valid: Tensor, cont: Tensor, w: Tensor, suffix: str,
+                 prompt_weight: float = 0.0) -> dict[str, Tensor]:
     """``reg``, ``ce`` and ``top1`` (each name + ``suffix``) of one draft step's (B, n, H) outputs against
-    the LLM's next features ``f_out``; ``valid``: real pairs, ``cont``: pairs predicting the continuation."""
+    the LLM's next features ``f_out``; ``valid``: real pairs, ``cont``: pairs predicting the continuation,
+    the others' cross-entropy weighted by ``prompt_weight``."""
     reg = F.smooth_l1_loss(hidden[valid].float(), f_out[valid])
-    pred = hidden[cont].float() @ w.T  # (C, K)
+    pick = valid if prompt_weight else cont
+    pred = hidden[pick].float() @ w.T  # (C, K)
     with torch.no_grad():
-        target = torch.softmax(f_out[cont] @ w.T, dim=-1)
-    ce = -(target * torch.log_softmax(pred, dim=-1)).sum(-1).mean()
-    top1 = (pred.argmax(-1) == target.argmax(-1)).float().mean()
+        target = torch.softmax(f_out[pick] @ w.T, dim=-1)
+        weight = torch.where(cont[pick], 1.0, prompt_weight)  # (C,)
+    ce_each = -(target * torch.log_softmax(pred, dim=-1)).sum(-1)
+    ce = (ce_each * weight).sum() / weight.sum().clamp(min=1e-9)
+    is_cont = cont[pick]
+    top1 = (pred[is_cont].argmax(-1) == target[is_cont].argmax(-1)).float().mean()
     sep = "_" if suffix else ""
     return {f"reg{suffix}": reg, f"ce{suffix}": ce, f"top1{sep}{suffix}": top1.detach()}
 
@@ -156,7 +164,7 @@ def train_head(
     gradients and optimiser stay fp32."""
     gen = torch.Generator().manual_seed(seed)
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     budget_s = cfg.minutes * 60
     # the schedule needs a length: estimate it from the first steps' speed when only time bounds it
     total = cfg.max_steps or 0
@@ -181,7 +189,7 @@ def train_head(
         amp = torch.autocast(head.device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
         with amp:
             losses = head_losses(head, [samples[i] for i in idx], [feats[i] for i in idx], rows, cfg.noise, gen,
-                                 depth2=cfg.depth2_weight > 0)
+                                 depth2=cfg.depth2_weight > 0, prompt_weight=cfg.prompt_weight)
         loss = cfg.reg_weight * losses["reg"] + cfg.ce_weight * losses["ce"]
         if "ce2" in losses:
             loss = loss + cfg.depth2_weight * (cfg.reg_weight * losses["reg2"] + cfg.ce_weight * losses["ce2"])
