@@ -344,3 +344,19 @@ def test_feature_head_trains_after_the_ssms_and_is_evaluated(tmp_path: Path) -> 
     assert served.scheduler is not None and "feature" in served.scheduler.drafters
     out = served.generate([1, 2, 3, 4, 5], stop)
     assert out.tokens == incremental_generate(served.llm.model, [1, 2, 3, 4, 5], stop).tokens
+
+
+def test_a_head_recorded_before_a_feature_field_existed_is_not_trained_again() -> None:
+    """A finished head whose stats predate a ``feature:`` field (its default keeps the old recipe) counts as
+    trained with today's settings at that default, and not with another value of it."""
+    from dataclasses import asdict
+
+    from boosttune.config import FeatureConfig
+    from boosttune.train.pipeline import _same_feature_settings
+
+    now = FeatureConfig(enabled=True, minutes=2.0)
+    old = {k: v for k, v in json.loads(json.dumps(asdict(now))).items() if k not in ("prompt_weight", "weight_decay")}
+    assert _same_feature_settings(old, now)
+    assert not _same_feature_settings(old, FeatureConfig(enabled=True, minutes=2.0, prompt_weight=1.0))
+    assert not _same_feature_settings({**old, "minutes": 3.0}, now)
+    assert not _same_feature_settings(None, now)

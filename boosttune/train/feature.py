@@ -143,12 +143,12 @@ def _step_losses(hidden: Tensor, f_out: Tensor, valid: Tensor, cont: Tensor, w: 
     reg = F.smooth_l1_loss(hidden[valid].float(), f_out[valid])
     pick = valid if prompt_weight else cont
     pred = hidden[pick].float() @ w.T  # (C, K)
+    is_cont = cont[pick]  # (C,)
     with torch.no_grad():
         target = torch.softmax(f_out[pick] @ w.T, dim=-1)
-        weight = torch.where(cont[pick], 1.0, prompt_weight)  # (C,)
+        weight = torch.where(is_cont, 1.0, prompt_weight)
     ce_each = -(target * torch.log_softmax(pred, dim=-1)).sum(-1)
     ce = (ce_each * weight).sum() / weight.sum().clamp(min=1e-9)
-    is_cont = cont[pick]
     top1 = (pred[is_cont].argmax(-1) == target[is_cont].argmax(-1)).float().mean()
     sep = "_" if suffix else ""
     return {f"reg{suffix}": reg, f"ce{suffix}": ce, f"top1{sep}{suffix}": top1.detach()}

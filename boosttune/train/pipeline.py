@@ -24,7 +24,15 @@ from pathlib import Path
 
 import torch
 
-from boosttune.config import BoostConfig, ConfigError, TrainConfig, dump_yaml, load_config, to_dict
+from boosttune.config import (
+    BoostConfig,
+    ConfigError,
+    FeatureConfig,
+    TrainConfig,
+    dump_yaml,
+    load_config,
+    to_dict,
+)
 from boosttune.core.files import atomic_write_json, atomic_write_text, is_complete, mark_complete
 from boosttune.core.models import (
     dtype_name,
@@ -383,7 +391,16 @@ def finished_feature(cfg: TrainConfig, run: RunDir) -> dict | None:
     if not is_complete(run.feature_dir) or not stats_file.is_file():
         return None
     stats = json.loads(stats_file.read_text())
-    return stats if stats.get("config") == json.loads(json.dumps(asdict(cfg.feature))) else None
+    return stats if _same_feature_settings(stats.get("config"), cfg.feature) else None
+
+
+def _same_feature_settings(saved: dict | None, now: FeatureConfig) -> bool:
+    """Whether a head's recorded ``feature:`` settings are ``now``'s; a field the record lacks (one
+    added since the head was trained) counts at its default, which keeps the recipe it was trained with."""
+    if saved is None:
+        return False
+    defaults = json.loads(json.dumps(asdict(FeatureConfig())))
+    return {**defaults, **saved} == json.loads(json.dumps(asdict(now)))
 
 
 def _recorded_features(run: RunDir, shard_size: int, samples: list, first: int) -> tuple[list, list, int]:
