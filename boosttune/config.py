@@ -309,6 +309,11 @@ class SchedulerConfig:
             best_fixed, none.
         feature_head: choose the run's feature head too (``ssms/feature``, when it has one), as one
             more drafter; its labels take trees of at most two levels (``widths[:max(depths)]``).
+        cv_folds: folds of the training requests that decide whether the per-request choice and
+            the per-match prompt-lookup table are served: each is kept only where, refitted
+            without a fold and replayed on it, it is at least ``margin`` faster than what it
+            replaces with a 95 % interval above 1 (``scheduler/offline/crossval.py``); else every
+            request gets the best fixed choice. 0: serve both as fitted, unchecked.
     """
 
     prompts: str | None = None
@@ -337,6 +342,7 @@ class SchedulerConfig:
     calib_tokens: int = 24
     real_policies: tuple[str, ...] = ("learned", "all", "best_fixed")
     feature_head: bool = True
+    cv_folds: int = 10
 
     def __post_init__(self) -> None:
         for name in ("depths", "ridge_alphas", "real_policies"):
@@ -345,6 +351,8 @@ class SchedulerConfig:
             object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
         _check_scheduler(self.limit >= 0 and self.eval_limit >= 0, "limit/eval_limit", "must be >= 0 (0 = all)")
         _check_scheduler(self.skip >= 0, "skip", f"must be >= 0, got {self.skip}")
+        _check_scheduler(self.cv_folds == 0 or self.cv_folds >= 2, "cv_folds",
+                         f"must be 0 (no cross-validation) or >= 2, got {self.cv_folds}")
         _check_scheduler(self.max_prompt_tokens >= 0, "max_prompt_tokens", f"must be >= 0 (0: no limit), got {self.max_prompt_tokens}")
         _check_scheduler(
             0.0 < self.train_fraction < 1.0, "train_fraction", f"must be in (0, 1), got {self.train_fraction}"

@@ -138,6 +138,7 @@ class LinearModel:
 
 
 CV_FOLDS = 5
+MIN_FIT_REQUESTS = 3  # the fewest requests the acceptance model is fitted on
 
 
 def make_pipeline(components: int, alpha: float, n_features: int, passthrough: int = 0):
@@ -148,8 +149,9 @@ def make_pipeline(components: int, alpha: float, n_features: int, passthrough: i
     from sklearn.pipeline import Pipeline
     from sklearn.preprocessing import StandardScaler
 
-    parts = [("keep", "passthrough", list(range(passthrough)))] if passthrough else []
-    parts.append(("pca", PCA(n_components=components, svd_solver="full"), list(range(passthrough, n_features))))
+    # column slices, not index lists: sklearn checks a list's every entry on every fit and transform
+    parts = [("keep", "passthrough", slice(0, passthrough))] if passthrough else []
+    parts.append(("pca", PCA(n_components=components, svd_solver="full"), slice(passthrough, n_features)))
     return Pipeline(
         [
             ("scale", StandardScaler()),
@@ -175,8 +177,8 @@ def fit_linear(
     from sklearn.model_selection import GridSearchCV, KFold
 
     r, f = x.shape
-    if r < 3:
-        raise ValueError(f"the scheduler needs at least 3 training requests, got {r}; raise scheduler.limit")
+    if r < MIN_FIT_REQUESTS:
+        raise ValueError(f"the scheduler needs at least {MIN_FIT_REQUESTS} training requests, got {r}; raise scheduler.limit")
     if y.shape[0] != r:
         raise ValueError(f"features have {r} rows but targets {y.shape[0]}")
     folds = min(CV_FOLDS, r)

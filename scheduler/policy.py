@@ -46,6 +46,9 @@ from boosttune.serving.builders import TreeConfig
 from boosttune.serving.engine import Plan, Planner
 from boosttune.serving.lookup import LOOKUP_NAME
 
+NOT_ADOPTED = "per-request choice not adopted (cross-validation)"
+"""The fallback reason of every request when ``Scheduler.per_request`` is False."""
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -185,6 +188,9 @@ class Scheduler:
             used whenever a choice includes prompt lookup; empty: the choice's depth.
         drafters: the names of the ``n_ssms`` drafters, bit j of a mask being ``drafters[j]``. Empty
             (files written before drafters were named): ssm-1 .. ssm-K, then prompt lookup.
+        per_request: choose per request from the features; False (cross-validation on the training
+            requests did not show the per-request choice faster, ``offline/crossval.py``): every
+            request gets the fallback (with ``lookup_depths`` when it drafts with prompt lookup).
     """
 
     spec: FeatureSpec
@@ -200,6 +206,7 @@ class Scheduler:
     prompt_lookup: bool = False
     lookup_depths: tuple[int, ...] = ()
     drafters: tuple[str, ...] = ()
+    per_request: bool = True
 
     def __post_init__(self) -> None:
         n, d = self.costs.n_ssms, self.label_depth
@@ -297,7 +304,8 @@ class Scheduler:
     def choose(self, prompt_ids: Sequence[int], features: RequestFeatures) -> Choice:
         """The choice for one request (timed in ``Choice.seconds``)."""
         start = time.perf_counter()
-        reason = self._out_of_range(prompt_ids, features)
+        reason = "" if self.per_request else NOT_ADOPTED
+        reason = reason or self._out_of_range(prompt_ids, features)
         if reason:
             choice = self.fallback_choice(reason)
         else:
@@ -309,17 +317,23 @@ class Scheduler:
 
         def plan(hidden: torch.Tensor) -> Plan:
             start = time.perf_counter()
-            try:
-                feats = request_features(prompt_ids, hidden, chat, self.spec)
-                choice = self.choose(prompt_ids, feats)
-            except ValueError as e:  # e.g. hidden states of another width: never fail the request
-                choice = self.fallback_choice(f"features: {e}")
+            if not self.per_request:  # the features would decide nothing
+                choice = self.fallback_choice(NOT_ADOPTED)
+            else:
+                choice = self._planned(prompt_ids, hidden, chat)
             choice = dataclasses.replace(choice, seconds=time.perf_counter() - start)
             if log is not None:
                 log.append(choice)
             return choice.plan
 
         return plan
+
+    def _planned(self, prompt_ids: Sequence[int], hidden: torch.Tensor, chat: bool) -> Choice:
+        """``choose`` on the features pooled from the prefill's hidden states."""
+        try:
+            return self.choose(prompt_ids, request_features(prompt_ids, hidden, chat, self.spec))
+        except ValueError as e:  # e.g. hidden states of another width: never fail the request
+            return self.fallback_choice(f"features: {e}")
 
     def fallback_choice(self, reason: str) -> Choice:
         return dataclasses.replace(
@@ -363,6 +377,7 @@ class Scheduler:
             "prompt_lookup": self.prompt_lookup,
             "lookup_depths": list(self.lookup_depths),
             "drafters": list(self.drafters),
+            "per_request": self.per_request,
         }
 
     @classmethod
@@ -382,6 +397,7 @@ class Scheduler:
             lookup_depths=tuple(int(k) for k in body.get("lookup_depths", ())),  # likewise
             # files written before drafters were named kept their names as meta["ssms"] (or none)
             drafters=tuple(str(d) for d in body.get("drafters") or body.get("meta", {}).get("ssms") or ()),
+            per_request=bool(body.get("per_request", True)),  # files before cross-validation chose per request
         )
 
     def save(self, path: str | Path) -> None:

@@ -329,3 +329,82 @@ def test_paired_ratio_interval():
     assert same_edge["low"] == pytest.approx(1.1) and same_edge["high"] == pytest.approx(1.1)
     mixed = paired_ratio_ci(runs([44.0, 40.0, 66.0, 40.0]), runs(base))
     assert mixed["low"] < mixed["ratio"] < mixed["high"] and mixed["share_faster"] == 0.5
+
+
+# -- cross-validated adoption (offline/crossval.py) -----------------------------------------------
+def test_folds_deal_every_request_once():
+    from boosttune.scheduler.offline.crossval import folds
+
+    assert folds(5, 2) == [[0, 2, 4], [1, 3]] and folds(3, 10) == [[0], [1], [2]]
+    assert folds(1, 10) == [] and folds(4, 0) == []
+
+
+def test_too_few_requests_to_check_serve_the_fallback():
+    """Three requests leave two to refit on, fewer than the model takes: nothing is compared, nothing
+    learned is served."""
+    cfg = SchedulerConfig(prompts="unused", depths=(1, 2), pca_components=4, ridge_alphas=(1e-3,), prompt_lookup=False)
+    few = fit_scheduler(synthetic_records()[:3], costs(), SPEC, (1, 1), cfg)
+    assert not few.per_request and few.meta["crossval"]["per_request"] == {**few.meta["crossval"]["per_request"],
+                                                                          "adopted": False, "requests": 0}
+
+
+def test_a_learned_part_is_served_only_with_a_confident_held_out_gain():
+    from boosttune.scheduler.offline.crossval import verdict
+    from boosttune.scheduler.offline.evaluate import Outcome
+
+    def runs(rates):
+        return [Outcome(Candidate(0, 0), new_tokens=10, tau=1.0, wall_s=10 / r, draft_s=0.0) for r in rates]
+
+    base = [40.0, 50.0, 60.0, 45.0, 55.0, 42.0]
+    assert verdict(runs([1.05 * r for r in base]), runs(base), margin=0.02).adopted
+    small = verdict(runs([1.01 * r for r in base]), runs(base), margin=0.02)  # surely faster, by less than the margin
+    assert not small.adopted and small.low > 1.0 and small.ratio == pytest.approx(1.01)
+    noisy = verdict(runs([80.0, 40.0, 60.0, 35.0, 55.0, 42.0]), runs(base), margin=0.02)  # 6 % on average, by chance
+    assert noisy.ratio > 1.02 and noisy.low < 1.0 and not noisy.adopted
+    assert not verdict([], [], margin=0.0).adopted
+
+
+def test_per_request_choice_is_served_where_it_generalises(scheduler):
+    cv = scheduler.meta["crossval"]
+    assert scheduler.per_request and cv["per_request"]["adopted"] and cv["per_request"]["requests"] == 12
+    assert cv["per_request"]["low"] > 1.0
+
+
+def _clustered_records(signal: bool, seed: int) -> list[RequestRecord]:
+    """Six requests of each kind with 16-dim hidden-state features: around a centre per kind
+    (``signal``), or the same noise for every kind (the features say nothing about the kind)."""
+    rng = np.random.default_rng(seed)
+    centres = {name: 2.0 * rng.normal(size=16) for name in KINDS}
+    out = []
+    for i in range(6):
+        for name, (_, acc) in KINDS.items():
+            h = rng.normal(size=16) + (centres[name] if signal else 0.0)
+            f = RequestFeatures(prompt_tokens=len(IDS), chat=True, hidden_mean=h.astype(np.float32),
+                                ngrams=np.ones(1, np.float32))
+            out.append(RequestRecord(f"{name}{i}", f, np.array([acc] * 10, dtype=np.int64), new_tokens=30,
+                                     wall_s=1.0, prefill_s=0.01))
+    return out
+
+
+def test_per_request_choice_is_served_only_where_the_features_carry_signal():
+    """Negative control: with features that say nothing about the kind, the fit still makes a rule
+    that leaves the fallback for a third of its own requests; held out, it does not pay, so every
+    request gets the fallback. With signal, the same check serves the rule."""
+    spec = FeatureSpec(hidden_size=16, ngram_buckets=1, lookup=False)
+    cfg = SchedulerConfig(prompts="unused", depths=(1, 2), pca_components=8, ridge_alphas=(1e-3,), prompt_lookup=False)
+    noise = _clustered_records(signal=False, seed=2)
+    unchecked = fit_scheduler(noise, costs(), spec, (1, 1), dataclasses.replace(cfg, cv_folds=0))
+    assert unchecked.per_request and "crossval" not in unchecked.meta
+    own = [unchecked.choose(IDS, r.features).candidate for r in noise]
+    assert sum(c != unchecked.fallback for c in own) >= 5  # an in-sample rule, not the fallback everywhere
+    checked = fit_scheduler(noise, costs(), spec, (1, 1), cfg)
+    assert not checked.per_request and not checked.meta["crossval"]["per_request"]["adopted"]
+    for r in noise:
+        choice = checked.choose(IDS, r.features)
+        assert choice.fallback and "cross-validation" in choice.reason and choice.candidate == checked.fallback
+    served = fit_scheduler(_clustered_records(signal=True, seed=0), costs(), spec, (1, 1), cfg)
+    assert served.per_request and served.meta["crossval"]["per_request"]["low"] > 1.0
+    # the file keeps the verdict; files written before it chose per request
+    body = checked.to_json()
+    assert Scheduler.from_json(body).per_request is False
+    assert Scheduler.from_json({k: v for k, v in body.items() if k != "per_request"}).per_request is True

@@ -130,3 +130,35 @@ def test_fitted_lookup_lengths_skip_weak_matches():
         verify_nodes=(0, 8), verify_s=(0.02, 0.02), overhead_s=(0.0, 0.0),
     )
     assert fit_ngram_depths(records, flat, mask=0b1, depth=8, lookup=0) == ()
+
+
+def test_the_lookup_table_is_served_only_where_it_pays_held_out():
+    """fit_scheduler keeps a fitted table only where cross-validation shows it faster than the fixed
+    chain; where the fitted table's gain is below the margin, the fixed chain is served."""
+    import dataclasses
+
+    from boosttune.config import SchedulerConfig
+    from boosttune.scheduler.features import FeatureSpec
+    from boosttune.scheduler.offline.train import fit_scheduler
+
+    rng = np.random.default_rng(0)
+    records = [_lookup_record(i, rng) for i in range(8)]
+    records = [dataclasses.replace(r, features=dataclasses.replace(r.features, hidden_mean=rng.normal(size=2).astype(np.float32)))
+               for r in records]  # features that vary (constant ones leave the PCA nothing to scale)
+    spec = FeatureSpec(hidden_size=2, ngram_buckets=1, lookup=False)
+    cfg = SchedulerConfig(prompts="unused", depths=(4, 8), pca_components=2, ridge_alphas=(1.0,), cv_folds=4)
+
+    def costs(wasted: float) -> CostModel:  # a wasted 8-token chain costs ``wasted`` of a plain step
+        return CostModel(
+            depths=(4, 8), nodes_per_ssm=((1.0, 2.0),), draft_s=((1e-4, 1e-4),), ssm_prefill_s_per_token=(0.0,),
+            verify_nodes=(0, 8), verify_s=(0.02, 0.02 * (1 + wasted)), overhead_s=(0.0, 0.0),
+        )
+
+    paying = fit_scheduler(records, costs(0.5), spec, (1,), cfg)
+    cv = paying.meta["crossval"]["lookup_depths"]
+    assert paying.lookup_depths == (0, 8, 8) and cv["adopted"] and cv["low"] > 1.0 and cv["requests"] == 8
+    # a chain so cheap to waste that the table's edge falls below the 2 % margin: fitted, not served
+    marginal = fit_scheduler(records, costs(0.002), spec, (1,), cfg)
+    cv = marginal.meta["crossval"]["lookup_depths"]
+    assert marginal.meta["crossval"]["fitted_lookup_depths"] and not cv["adopted"] and cv["ratio"] < 1.02
+    assert marginal.lookup_depths == ()

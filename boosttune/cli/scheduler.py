@@ -68,6 +68,9 @@ def add_commands(subparsers) -> dict:
                         "matched n-gram length)")
     p.add_argument("--no-feature-head", action="store_const", const=False, dest="feature_head", default=None,
                    help="leave the run's feature head out of the choice (default: one more drafter to choose)")
+    p.add_argument("--cv-folds", type=int, default=None, metavar="K",
+                   help="serve the per-request choice and the per-match lookup lengths only where K-fold "
+                        "cross-validation on the training requests shows them faster (default 10; 0 = unchecked)")
     p.add_argument("--calib-prompts", type=int, default=None, help="prompts used to time the SSMs")
     p.add_argument("--calib-tokens", type=int, default=None, help="tokens per timing run")
     p.add_argument(
@@ -128,6 +131,7 @@ def cmd_train_scheduler(args: argparse.Namespace) -> int:
         calib_tokens=args.calib_tokens,
         real_policies=args.real_policies,
         feature_head=args.feature_head,
+        cv_folds=args.cv_folds,
     )
     if cfg.draft_vocab:  # runs from before the ranking existed: count it from their teacher outputs
         ensure_draft_ranking(RunDir(args.run_dir))

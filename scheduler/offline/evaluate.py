@@ -94,6 +94,12 @@ def best_fixed(records: Sequence[RequestRecord], costs: CostModel, containing: i
     return max(cands, key=lambda c: mean_tokens_per_s(records, c, costs))
 
 
+def rates(records: Sequence[RequestRecord], cands: Sequence[Candidate], costs: CostModel) -> np.ndarray:
+    """(R, C) replayed tokens/s of every request under every candidate: the best fixed choice of
+    any subset of the requests is then a column mean away (cross-validation refits it per fold)."""
+    return np.array([[replay(r, c, costs).tokens_per_s for c in cands] for r in records]).reshape(len(records), len(cands))
+
+
 def fixed_policies(
     train: Sequence[RequestRecord], costs: CostModel, names: Sequence[str]
 ) -> dict[str, Candidate]:

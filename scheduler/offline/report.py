@@ -96,6 +96,8 @@ def build_report(run, cfg, scheduler, fixed, replayed, real, choices, train_rec,
             "features": scheduler.spec.dim,
             "fallback": scheduler.fallback.name,
             "lookup_depths": list(scheduler.lookup_depths),
+            "per_request": scheduler.per_request,
+            "crossval": scheduler.meta.get("crossval"),
         },
         "seconds": clock,
     }
@@ -169,7 +171,18 @@ def format_table(report: dict) -> str:
         f"learned/oracle {h['learned_vs_oracle_replay']:.3f}; "
         f"scheduler overhead {_fmt(100 * o['mean_fraction_of_latency']) if o.get('measured') else '-'} %"
     )
+    cv = report.get("model", {}).get("crossval")
+    if cv:
+        lines.append("cross-validation on the training requests (held-out tokens/s vs what each replaces): "
+                     + "; ".join(f"{part} {_verdict(v)}" for part, v in (("per-request choice", cv["per_request"]),
+                                                                        ("per-match lookup lengths", cv["lookup_depths"]))))
     return "\n".join(lines)
+
+
+def _verdict(v: dict) -> str:
+    if not v["requests"]:
+        return "not fitted"
+    return f"{v['ratio']:.3f} (95 % CI {v['low']:.3f}-{v['high']:.3f}): {'served' if v['adopted'] else 'not served'}"
 
 
 def _fmt(x: float | None) -> str:

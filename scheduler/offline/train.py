@@ -17,6 +17,7 @@ acceptance model on the train requests; replay every policy on the eval requests
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import sys
 import time
@@ -33,19 +34,22 @@ from boosttune.core.models import eos_token_ids, load_llm_and_ssms
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.core.rundir import RunDir
 from boosttune.scheduler.features import FeatureSpec
-from boosttune.scheduler.model import fit_linear
+from boosttune.scheduler.model import MIN_FIT_REQUESTS, fit_linear
 from boosttune.scheduler.offline.calibrate import calibrate
+from boosttune.scheduler.offline.crossval import FoldReplay, Verdict, cross_validate, verdict
 from boosttune.scheduler.offline.evaluate import (
     best_fixed,
     fixed_policies,
+    rates,
     real_policies,
+    replay,
     replay_policies,
 )
 from boosttune.scheduler.offline.labels import RequestRecord, collect_labels
 from boosttune.scheduler.offline.plot import plot_tokens_per_s
 from boosttune.scheduler.offline.report import build_report, format_table
 from boosttune.scheduler.offline.stepwise import fit_ngram_depths
-from boosttune.scheduler.policy import Scheduler, default_drafters
+from boosttune.scheduler.policy import Candidate, Scheduler, candidates, default_drafters
 from boosttune.scheduler.subsets import members, union_survival
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.draft_vocab import load_ranking
@@ -233,19 +237,43 @@ def fit_scheduler(
     train: list[RequestRecord], costs, spec: FeatureSpec, widths: tuple[int, ...], cfg: SchedulerConfig,
     drafters: Sequence[str] = (),
 ) -> Scheduler:
-    """Fit the acceptance model on labelled requests and wrap it with the costs and fallback;
+    """Fit the acceptance model and the per-match lookup table on labelled requests, wrap them with
+    the costs and fallback, and keep each learned part only where ``cfg.cv_folds``-fold
+    cross-validation shows it pays (``crossval.py``; the evidence goes to ``meta["crossval"]``);
     ``drafters``: the names of the labels' columns (empty: ``default_drafters``)."""
+    names = tuple(drafters) or default_drafters(costs.n_ssms, cfg.prompt_lookup)
+    full = _fit(train, costs, spec, widths, cfg, names, cfg.stepwise_lookup)
+    if not cfg.cv_folds:
+        return full
+    k, n = cfg.cv_folds, len(train)
+    fixed = _FixedChoices(train, costs)
+    per_request = verdict(*cross_validate(n, k, _per_request_replay(train, costs, fixed, spec, widths, cfg, names),
+                                         min_fit=MIN_FIT_REQUESTS), cfg.margin)
+    table = Verdict(adopted=False)
+    if full.lookup_depths:
+        table = verdict(*cross_validate(n, k, _table_replay(train, costs, fixed, full.lookup_index)), cfg.margin)
+    meta = {**full.meta, "crossval": {"folds": min(k, n), "per_request": per_request.to_json(),
+                                      "lookup_depths": table.to_json(), "fitted_lookup_depths": list(full.lookup_depths)}}
+    return dataclasses.replace(full, per_request=per_request.adopted, meta=meta,
+                               lookup_depths=full.lookup_depths if table.adopted else ())
+
+
+def _fit(
+    train: Sequence[RequestRecord], costs, spec: FeatureSpec, widths: tuple[int, ...], cfg: SchedulerConfig,
+    names: tuple[str, ...], stepwise: bool, fallback: Candidate | None = None,
+) -> Scheduler:
+    """The scheduler fitted on ``train``, every learned part served (the per-match table if
+    ``stepwise``); ``fallback``: the best fixed choice on ``train`` when already known."""
     n, depth = costs.n_ssms, cfg.label_depth
-    names = tuple(drafters) or default_drafters(n, cfg.prompt_lookup)
     x = np.stack([r.features.vector() for r in train])
     y = np.stack([union_survival(r.accepts, n, depth).reshape(-1) for r in train])
     model = fit_linear(x, y, cfg.pca_components, cfg.ridge_alphas, passthrough=spec.head)
-    fallback = best_fixed(train, costs)
+    fallback = fallback or best_fixed(train, costs)
     lookup = names.index(LOOKUP_NAME) if LOOKUP_NAME in names else -1
     table: tuple[int, ...] = ()
-    if cfg.stepwise_lookup and lookup >= 0:
-        with_lookup = fallback if lookup in members(fallback.mask) else best_fixed(train, costs, containing=lookup)
-        table = fit_ngram_depths(train, costs, with_lookup.mask, with_lookup.depth, lookup)
+    if stepwise and lookup >= 0:
+        cand = fallback if lookup in members(fallback.mask) else best_fixed(train, costs, containing=lookup)
+        table = fit_ngram_depths(train, costs, cand.mask, cand.depth, lookup)
     return Scheduler(
         spec=spec,
         model=model,
@@ -261,6 +289,49 @@ def fit_scheduler(
         lookup_depths=table,
         drafters=names,
     )
+
+
+class _FixedChoices:
+    """The best fixed choice on any subset of the training requests, from one replay of each
+    request under each candidate (``evaluate.rates``): folds refit it without replaying again."""
+
+    def __init__(self, train: Sequence[RequestRecord], costs) -> None:
+        self.cands = candidates(costs.n_ssms, costs.depths)
+        self.rates = rates(train, self.cands, costs)
+
+    def best(self, rows: Sequence[int], containing: int = -1) -> Candidate:
+        """As ``evaluate.best_fixed`` on the requests ``rows``."""
+        means = self.rates[list(rows)].mean(axis=0)
+        if containing >= 0:
+            means = np.where([containing in members(c.mask) for c in self.cands], means, -np.inf)
+        return self.cands[int(np.argmax(means))]
+
+
+def _per_request_replay(train, costs, fixed: _FixedChoices, spec, widths, cfg, names) -> FoldReplay:
+    """Held out: the per-request choice (no per-match table) of a fit without the fold, beside that
+    fit's fallback."""
+
+    def run(rest: list[int], held: list[int]):
+        fold = _fit([train[i] for i in rest], costs, spec, widths, cfg, names, stepwise=False, fallback=fixed.best(rest))
+        # the choice reads only the prompt's length; labels keep its length, not its tokens
+        chosen = [fold.choose(range(train[i].prompt_tokens), train[i].features).candidate for i in held]
+        return ([replay(train[i], c, costs) for i, c in zip(held, chosen, strict=True)],
+                [replay(train[i], fold.fallback, costs) for i in held])
+
+    return run
+
+
+def _table_replay(train, costs, fixed: _FixedChoices, lookup: int) -> FoldReplay:
+    """Held out: the per-match table fitted without the fold, beside the fixed chain it refines."""
+
+    def run(rest: list[int], held: list[int]):
+        cand = fixed.best(rest)
+        cand = cand if lookup in members(cand.mask) else fixed.best(rest, containing=lookup)
+        table = fit_ngram_depths([train[i] for i in rest], costs, cand.mask, cand.depth, lookup)
+        return ([replay(train[i], Candidate(cand.mask, cand.depth, table), costs) for i in held],
+                [replay(train[i], cand, costs) for i in held])
+
+    return run
 
 
 def _warm_up(engine: SpeculativeEngine, ids: list[int], eos: frozenset[int]) -> None:
