@@ -70,7 +70,8 @@ def cross_validate(n: int, k: int, fold_replay: FoldReplay, min_fit: int = 1) ->
     learned: list[Outcome] = []
     replaced: list[Outcome] = []
     for held in folds(n, k):
-        rest = [i for i in range(n) if i not in set(held)]
+        out = set(held)
+        rest = [i for i in range(n) if i not in out]
         if len(rest) < min_fit:
             continue
         a, b = fold_replay(rest, held)

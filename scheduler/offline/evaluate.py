@@ -89,15 +89,22 @@ def best_fixed(records: Sequence[RequestRecord], costs: CostModel, containing: i
     """The single candidate with the best mean replayed tokens/s on ``records`` (the fallback);
     ``containing`` >= 0: the best among those that draft with that drafter."""
     cands = candidates(costs.n_ssms, costs.depths)
-    if containing >= 0:
-        cands = [c for c in cands if containing in members(c.mask)]
-    return max(cands, key=lambda c: mean_tokens_per_s(records, c, costs))
+    return best_of(rates(records, cands, costs), cands, containing)
 
 
 def rates(records: Sequence[RequestRecord], cands: Sequence[Candidate], costs: CostModel) -> np.ndarray:
     """(R, C) replayed tokens/s of every request under every candidate: the best fixed choice of
     any subset of the requests is then a column mean away (cross-validation refits it per fold)."""
     return np.array([[replay(r, c, costs).tokens_per_s for c in cands] for r in records]).reshape(len(records), len(cands))
+
+
+def best_of(rates: np.ndarray, cands: Sequence[Candidate], containing: int = -1) -> Candidate:
+    """The candidate with the best mean of (R, C) ``rates`` over its requests (the first on ties);
+    ``containing`` >= 0: among those that draft with that drafter."""
+    means = rates.mean(axis=0)
+    if containing >= 0:
+        means = np.where([containing in members(c.mask) for c in cands], means, -np.inf)
+    return cands[int(np.argmax(means))]
 
 
 def fixed_policies(

@@ -38,7 +38,7 @@ from boosttune.scheduler.model import MIN_FIT_REQUESTS, fit_linear
 from boosttune.scheduler.offline.calibrate import calibrate
 from boosttune.scheduler.offline.crossval import FoldReplay, Verdict, cross_validate, verdict
 from boosttune.scheduler.offline.evaluate import (
-    best_fixed,
+    best_of,
     fixed_policies,
     rates,
     real_policies,
@@ -242,11 +242,11 @@ def fit_scheduler(
     cross-validation shows it pays (``crossval.py``; the evidence goes to ``meta["crossval"]``);
     ``drafters``: the names of the labels' columns (empty: ``default_drafters``)."""
     names = tuple(drafters) or default_drafters(costs.n_ssms, cfg.prompt_lookup)
-    full = _fit(train, costs, spec, widths, cfg, names, cfg.stepwise_lookup)
-    if not cfg.cv_folds:
-        return full
     k, n = cfg.cv_folds, len(train)
     fixed = _FixedChoices(train, costs)
+    full = _fit(train, costs, spec, widths, cfg, names, cfg.stepwise_lookup, fixed, range(n))
+    if not k:
+        return full
     per_request = verdict(*cross_validate(n, k, _per_request_replay(train, costs, fixed, spec, widths, cfg, names),
                                          min_fit=MIN_FIT_REQUESTS), cfg.margin)
     table = Verdict(adopted=False)
@@ -260,19 +260,19 @@ def fit_scheduler(
 
 def _fit(
     train: Sequence[RequestRecord], costs, spec: FeatureSpec, widths: tuple[int, ...], cfg: SchedulerConfig,
-    names: tuple[str, ...], stepwise: bool, fallback: Candidate | None = None,
+    names: tuple[str, ...], stepwise: bool, fixed: _FixedChoices, rows: Sequence[int],
 ) -> Scheduler:
-    """The scheduler fitted on ``train``, every learned part served (the per-match table if
-    ``stepwise``); ``fallback``: the best fixed choice on ``train`` when already known."""
+    """The scheduler fitted on ``train`` (the requests ``rows`` of ``fixed``), every learned part
+    served (the per-match table if ``stepwise``)."""
     n, depth = costs.n_ssms, cfg.label_depth
     x = np.stack([r.features.vector() for r in train])
     y = np.stack([union_survival(r.accepts, n, depth).reshape(-1) for r in train])
     model = fit_linear(x, y, cfg.pca_components, cfg.ridge_alphas, passthrough=spec.head)
-    fallback = fallback or best_fixed(train, costs)
+    fallback = fixed.best(rows)
     lookup = names.index(LOOKUP_NAME) if LOOKUP_NAME in names else -1
     table: tuple[int, ...] = ()
     if stepwise and lookup >= 0:
-        cand = fallback if lookup in members(fallback.mask) else best_fixed(train, costs, containing=lookup)
+        cand = fixed.lookup_base(rows, fallback, lookup)
         table = fit_ngram_depths(train, costs, cand.mask, cand.depth, lookup)
     return Scheduler(
         spec=spec,
@@ -292,19 +292,21 @@ def _fit(
 
 
 class _FixedChoices:
-    """The best fixed choice on any subset of the training requests, from one replay of each
-    request under each candidate (``evaluate.rates``): folds refit it without replaying again."""
+    """The best fixed choices on any subset of the training requests, from one replay of each
+    request under each candidate (``evaluate.rates``): folds refit them without replaying again."""
 
     def __init__(self, train: Sequence[RequestRecord], costs) -> None:
         self.cands = candidates(costs.n_ssms, costs.depths)
         self.rates = rates(train, self.cands, costs)
 
-    def best(self, rows: Sequence[int], containing: int = -1) -> Candidate:
-        """As ``evaluate.best_fixed`` on the requests ``rows``."""
-        means = self.rates[list(rows)].mean(axis=0)
-        if containing >= 0:
-            means = np.where([containing in members(c.mask) for c in self.cands], means, -np.inf)
-        return self.cands[int(np.argmax(means))]
+    def best(self, rows: Sequence[int]) -> Candidate:
+        """``evaluate.best_fixed`` on the requests ``rows``."""
+        return best_of(self.rates[list(rows)], self.cands)
+
+    def lookup_base(self, rows: Sequence[int], fallback: Candidate, lookup: int) -> Candidate:
+        """What the per-match table refines on ``rows``: ``fallback`` if it drafts with prompt
+        lookup, else the best fixed choice that does."""
+        return fallback if lookup in members(fallback.mask) else best_of(self.rates[list(rows)], self.cands, lookup)
 
 
 def _per_request_replay(train, costs, fixed: _FixedChoices, spec, widths, cfg, names) -> FoldReplay:
@@ -312,7 +314,7 @@ def _per_request_replay(train, costs, fixed: _FixedChoices, spec, widths, cfg, n
     fit's fallback."""
 
     def run(rest: list[int], held: list[int]):
-        fold = _fit([train[i] for i in rest], costs, spec, widths, cfg, names, stepwise=False, fallback=fixed.best(rest))
+        fold = _fit([train[i] for i in rest], costs, spec, widths, cfg, names, False, fixed, rest)
         # the choice reads only the prompt's length; labels keep its length, not its tokens
         chosen = [fold.choose(range(train[i].prompt_tokens), train[i].features).candidate for i in held]
         return ([replay(train[i], c, costs) for i, c in zip(held, chosen, strict=True)],
@@ -325,8 +327,7 @@ def _table_replay(train, costs, fixed: _FixedChoices, lookup: int) -> FoldReplay
     """Held out: the per-match table fitted without the fold, beside the fixed chain it refines."""
 
     def run(rest: list[int], held: list[int]):
-        cand = fixed.best(rest)
-        cand = cand if lookup in members(cand.mask) else fixed.best(rest, containing=lookup)
+        cand = fixed.lookup_base(rest, fixed.best(rest), lookup)
         table = fit_ngram_depths([train[i] for i in rest], costs, cand.mask, cand.depth, lookup)
         return ([replay(train[i], Candidate(cand.mask, cand.depth, table), costs) for i in held],
                 [replay(train[i], cand, costs) for i in held])
