@@ -30,6 +30,7 @@ from boosttune.serving.decode import incremental_generate
 from boosttune.serving.draft_vocab import coverage, head_ids, load_ranking, rank_tokens, save_ranking
 from boosttune.serving.drafter import SSMDrafter
 from boosttune.serving.engine import Plan, SpeculativeEngine
+from boosttune.serving.lean import drafter_runner
 from boosttune.serving.runner import ModelRunner, restricted_head_error
 from boosttune.serving.stops import StopCriteria
 
@@ -126,7 +127,7 @@ def _restricted_engine(llm, ssms, excluded: int) -> SpeculativeEngine:
     # (or the bonus token) can produce it.
     ranking = torch.tensor([t for t in range(VOCAB) if t != excluded] + [excluded])
     trees = [TreeConfig(widths=(2, 2), min_prob=0.15, draft_vocab=3), TreeConfig(widths=(2, 1), draft_vocab=2)]
-    drafters = {f"ssm-{i}": SSMDrafter(ModelRunner(s), ranking=ranking) for i, s in enumerate(ssms)}
+    drafters = {f"ssm-{i}": SSMDrafter(drafter_runner(s), ranking=ranking) for i, s in enumerate(ssms)}  # as served
     return SpeculativeEngine(ModelRunner(llm), drafters, Plan(dict(zip(drafters, trees, strict=True))))
 
 

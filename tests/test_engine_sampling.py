@@ -129,11 +129,14 @@ def models():
 
 
 def make_engine(llm, ssms) -> SpeculativeEngine:
+    """The SSMs draft through the runner serving gives them (``drafter_runner``: the lean one for
+    plain llamas), so the distribution test covers what is served."""
     trees = [TreeConfig(widths=(2, 2), min_prob=0.15), TreeConfig(kind="dynamic", topk=2, depth=2)]
     from boosttune.serving.drafter import SSMDrafter
+    from boosttune.serving.lean import drafter_runner
     from boosttune.serving.runner import ModelRunner
 
-    drafters = {f"ssm-{i}": SSMDrafter(ModelRunner(s)) for i, s in enumerate(ssms)}
+    drafters = {f"ssm-{i}": SSMDrafter(drafter_runner(s)) for i, s in enumerate(ssms)}
     return SpeculativeEngine(ModelRunner(llm), drafters, Plan(dict(zip(drafters, trees, strict=True))))
 
 

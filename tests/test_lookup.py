@@ -19,6 +19,7 @@ from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.drafter import SSMDrafter
 from boosttune.serving.engine import Plan, SpeculativeEngine
+from boosttune.serving.lean import drafter_runner
 from boosttune.serving.lookup import (
     LOOKUP_NAME,
     PromptLookupDrafter,
@@ -63,8 +64,9 @@ def test_find_match_reports_the_ngram_and_per_match_lengths_cut_the_chain():
 
 
 def lookup_engine(llm, ssms=(), length=4, ngram_depths=()) -> SpeculativeEngine:
+    """Prompt lookup merged with ``ssms``, which draft through the runner serving gives them."""
     v = llm.get_output_embeddings().weight.shape[0]
-    drafters = {f"ssm-{i}": SSMDrafter(ModelRunner(s)) for i, s in enumerate(ssms)}
+    drafters = {f"ssm-{i}": SSMDrafter(drafter_runner(s)) for i, s in enumerate(ssms)}
     trees = dict.fromkeys(drafters, TreeConfig(widths=(2, 1, 1)))
     drafters[LOOKUP_NAME], trees[LOOKUP_NAME] = PromptLookupDrafter(vocab_size=v), lookup_tree(length, ngram_depths)
     return SpeculativeEngine(ModelRunner(llm), drafters, Plan(trees))

@@ -1,10 +1,10 @@
 """Stochastic tree verification leaves the LLM's distribution unchanged (with negative controls).
 
 The distribution test drafts a small two-level tree afresh in every trial (two proposers at the
-root, one of them drawing two children without replacement), verifies it against a fixed target
-p over 2-token sequences, completes the output to exactly two tokens and compares the empirical
-distribution with p(x1) p(x2 | x1) by a chi-square goodness-of-fit test. Three wrong procedures
-must fail the same test.
+root, one of them drawing two children without replacement; all trials' drafts are drawn at once),
+verifies each against a fixed target p over 2-token sequences, completes the output to exactly two
+tokens and compares the empirical distribution with p(x1) p(x2 | x1) by a chi-square goodness-of-fit
+test. Three wrong procedures must fail the same test.
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ from boosttune.serving.verify_stochastic import stochastic_verify
 
 V = 6
 TRIALS = 20_000
+# The negative controls' trials: a chi-square test's power against a fixed wrong distribution only grows
+# with the sample size, so a control that fails at 5,000 (p < 1e-40 for the closest, no_q_update, over
+# seeds 7-9) would fail the 20,000-trial test too.
+NEGATIVE_TRIALS = 5_000
 
 # The tree drafted in every trial: (parent, proposer, slot). Nodes with the same parent and the same
 # slot share one q row and are sequential draws without replacement, in index order. Slots: "root0",
@@ -70,44 +74,63 @@ def _tables(concentrated: bool) -> dict[str, Tensor]:
     }
 
 
-def _draw(q: Tensor, drawn: list[int], generator: torch.Generator, top_k: bool) -> int:
-    """One draw from q without the tokens in ``drawn`` (or the next-best token for top-k drafts)."""
-    q = q.clone()
-    q[drawn] = 0.0
-    if top_k:
-        return int(q.argmax())
-    return int(torch.multinomial(q, 1, generator=generator))
+def _draw_all(tables: dict[str, Tensor], n: int, generator: torch.Generator, top_k: bool) -> tuple[Tensor, Tensor]:
+    """The LAYOUT tree's tokens for ``n`` trials at once: (n, N) tokens and (n, M, V) q rows.
 
-
-def _draft(tables: dict[str, Tensor], generator: torch.Generator, top_k: bool) -> tuple[TokenTree, Tensor]:
-    """Draw the LAYOUT tree's tokens from the q tables; returns the tree and its p_probs (N+1, V)."""
-    rows: dict[tuple[int, str], int] = {}  # (parent node, slot) -> q row
-    q_dists: list[Tensor] = []
-    drawn: dict[int, list[int]] = {}  # q row -> tokens drawn from it so far
-    tokens: list[int] = []
+    A row's later draws exclude its earlier ones. Sampled: the Gumbel-top-k trick (the tokens of
+    log q + Gumbel noise in descending order are sequential draws from q without replacement;
+    Vieira 2014, Kool et al. 2019, arXiv 1903.06059), so every trial's row is perturbed once and each
+    draw takes the largest key left. Top-k: the keys are q itself (the next-best token).
+    """
+    keys: dict[tuple[int, str], Tensor] = {}  # (parent node, slot) -> (n, V) keys of tokens not drawn yet
+    rows: list[Tensor] = []  # (n, V) q per row, in order of first use
+    tokens: list[Tensor] = []  # (n,) per node
+    every = torch.arange(n)
     for parent, _, slot in LAYOUT:
-        if (parent, slot) not in rows:
-            q = tables[slot] if parent < 0 else tables[slot][tokens[parent]]
-            rows[(parent, slot)] = len(q_dists)
-            q_dists.append(q)
-            drawn[len(q_dists) - 1] = []
-        row = rows[(parent, slot)]
-        tok = _draw(q_dists[row], drawn[row], generator, top_k)
-        drawn[row].append(tok)
+        if (parent, slot) not in keys:
+            q = tables[slot].expand(n, V) if parent < 0 else tables[slot][tokens[parent]]
+            rows.append(q)
+            if top_k:
+                keys[(parent, slot)] = q.clone()
+            else:
+                gumbel = -torch.log(-torch.log(torch.rand(n, V, generator=generator).clamp_min(1e-12)))
+                keys[(parent, slot)] = q.log() + gumbel
+        k = keys[(parent, slot)]
+        tok = k.argmax(-1)  # (n,)
+        k[every, tok] = float("-inf")
         tokens.append(tok)
-    tok_t = torch.tensor(tokens)
-    parents = torch.tensor([par for par, _, _ in LAYOUT])
-    dist_row = torch.tensor([rows[(par, slot)] for par, _, slot in LAYOUT])
-    qd = torch.stack(q_dists)  # (M, V)
-    tree = TokenTree(
-        tokens=tok_t, parents=parents, depth=torch.where(parents < 0, 1, 2),
-        proposer=torch.tensor([prop for _, prop, _ in LAYOUT]), q_prob=qd[dist_row, tok_t],
-        dist_row=dist_row, q_dists=qd,
+    return torch.stack(tokens, 1), torch.stack(rows, 1)
+
+
+_PARENTS = torch.tensor([par for par, _, _ in LAYOUT])
+_PROPOSER = torch.tensor([prop for _, prop, _ in LAYOUT])
+
+
+def _dist_rows() -> Tensor:
+    """(N,) the q row of each LAYOUT node (rows numbered in order of first use, as ``_draw_all``'s)."""
+    first: dict[tuple[int, str], int] = {}
+    return torch.tensor([first.setdefault((par, slot), len(first)) for par, _, slot in LAYOUT])
+
+
+_DIST_ROW = _dist_rows()
+
+
+def _tree(tokens: Tensor, q_dists: Tensor) -> TokenTree:
+    """One trial's LAYOUT tree from its (N,) tokens and (M, V) q rows."""
+    dist_row = _DIST_ROW
+    return TokenTree(
+        tokens=tokens, parents=_PARENTS, depth=torch.where(_PARENTS < 0, 1, 2), proposer=_PROPOSER,
+        q_prob=q_dists[dist_row, tokens], dist_row=dist_row, q_dists=q_dists,
     )
-    # p at the root, p(. | x1) at depth-1 nodes; rows at depth 2 only feed a 3rd token (ignored)
+
+
+def _p_probs(tables: dict[str, Tensor], tokens: Tensor) -> Tensor:
+    """(n, N + 1, V): p at the root, p(. | x1) at depth-1 nodes; rows at depth 2 only feed a 3rd
+    token (ignored)."""
+    n = tokens.shape[0]
     deep = torch.full((V,), 1.0 / V)
-    p_nodes = torch.where((parents < 0).unsqueeze(-1), tables["p_cond"][tok_t], deep)  # (N, V)
-    return tree, torch.cat([tables["p_root"].unsqueeze(0), p_nodes])
+    p_nodes = torch.where((_PARENTS < 0)[None, :, None], tables["p_cond"][tokens], deep)  # (n, N, V)
+    return torch.cat([tables["p_root"].expand(n, 1, V), p_nodes], 1)
 
 
 Verifier = Callable[[TokenTree, Tensor, torch.Generator], tuple[list[int], int]]
@@ -131,19 +154,23 @@ def _no_q_update(tree: TokenTree, p_probs: Tensor, generator: torch.Generator) -
     return stochastic_verify(tree, p_probs, generator, _update_q=False)
 
 
-def _two_token_counts(concentrated: bool, verifier: Verifier, top_k: bool, seed: int) -> Tensor:
-    """(V, V) counts of the first two output tokens over TRIALS fresh drafts."""
+def _two_token_counts(concentrated: bool, verifier: Verifier, top_k: bool, seed: int, trials: int = TRIALS) -> Tensor:
+    """(V, V) counts of the first two output tokens over ``trials`` fresh drafts."""
     tables = _tables(concentrated)
     g = torch.Generator().manual_seed(seed)
-    counts = torch.zeros(V, V, dtype=torch.long)
-    for _ in range(TRIALS):
-        tree, p_probs = _draft(tables, g, top_k)
-        path, bonus = verifier(tree, p_probs, g)
-        out = [int(tree.tokens[i]) for i in path] + [bonus]
-        if len(out) == 1:  # rejected at the root: the 2nd token comes straight from p(. | x1)
-            out.append(int(torch.multinomial(tables["p_cond"][out[0]], 1, generator=g)))
-        counts[out[0], out[1]] += 1
-    return counts
+    tokens, q_rows = _draw_all(tables, trials, g, top_k)  # drafting, batched; verification one tree at a time
+    p_probs = _p_probs(tables, tokens)
+    first, second = torch.zeros(trials, dtype=torch.long), torch.full((trials,), -1)
+    for i in range(trials):
+        path, bonus = verifier(_tree(tokens[i], q_rows[i]), p_probs[i], g)
+        out = [int(tokens[i, j]) for j in path] + [bonus]
+        first[i] = out[0]
+        if len(out) > 1:
+            second[i] = out[1]
+    rejected = second < 0  # rejected at the root: the 2nd token comes straight from p(. | x1)
+    if bool(rejected.any()):
+        second[rejected] = torch.multinomial(tables["p_cond"][first[rejected]], 1, generator=g).squeeze(-1)
+    return torch.bincount(first * V + second, minlength=V * V).reshape(V, V)
 
 
 def _gof_pvalue(counts: Tensor, probs: Tensor) -> float:
@@ -184,7 +211,7 @@ def test_stochastic_verify_is_exact(concentrated: bool) -> None:
     ],
 )
 def test_negative_controls_fail(name: str, verifier: Verifier, top_k: bool, concentrated: bool) -> None:
-    counts = _two_token_counts(concentrated, verifier, top_k=top_k, seed=7)
+    counts = _two_token_counts(concentrated, verifier, top_k=top_k, seed=7, trials=NEGATIVE_TRIALS)
     assert _gof_pvalue(counts, _target(concentrated)) < 1e-6, name
 
 
