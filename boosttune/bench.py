@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
@@ -202,6 +203,9 @@ def _answer_record(prompt: Prompt, res: GenerationResult, text: str, model_id: s
     }
     if isinstance(res, PeerGeneration):
         choice["llama_timings"] = [res.timings]
+    if res.plan is not None:  # what this request drafted with (a learned scheduler's choice, per question)
+        choice["plan"] = {name: asdict(tree) for name, tree in res.plan.trees.items()}
+        choice["proposer_hits"] = res.proposer_hits
     return {
         "question_id": prompt.id, "category": prompt.category, "model_id": model_id,
         "answer_id": f"{model_id}-{prompt.id}", "tstamp": time.time(), "choices": [choice],
@@ -323,6 +327,8 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, serv
         "scheduler": served.scheduler is not None,
         "tree": asdict(next((served.engine.plan.trees[n] for n in served.ssms), cfg.tree or TreeConfig())),
         "plan": {name: asdict(tree) for name, tree in served.engine.plan.trees.items()},
+        # what the requests drafted with, by how many questions (the learned scheduler's choices)
+        "plans": dict(Counter(r.plan.label for r in ours if r.plan is not None).most_common()),
         "methods": [m for m in METHODS if m in results],
         "max_new_tokens": cfg.max_new_tokens,
         "mean_new_tokens": _mean([len(r.tokens) for r in ours or base]),
@@ -369,6 +375,8 @@ def format_table(summary: dict) -> str:
     if summary["speedup_vs_hf_assisted"] is not None:
         footer += f"  speedup_vs_hf_assisted={_fmt(summary['speedup_vs_hf_assisted'])}"
     lines.append(footer)
+    if summary.get("plans"):
+        lines.append("ours drafted with: " + "; ".join(f"{label} x{n}" for label, n in summary["plans"].items()))
     return "\n".join(lines)
 
 

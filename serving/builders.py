@@ -87,6 +87,16 @@ class TreeConfig:
     def max_depth(self) -> int:
         return self.policy.depth(self)
 
+    @property
+    def label(self) -> str:
+        """A short name for tables: the expansion widths ("3", "3,1"; a chain of n as "1x{n}", "+table"
+        when ``ngram_depths`` sets its length per match), or "dyn:topk,depth,budget"."""
+        if self.kind != "expansion":
+            return f"dyn:{self.topk},{self.depth},{self.budget}"
+        w = self.widths
+        shape = f"1x{len(w)}" if len(w) > 1 and set(w) == {1} else ",".join(map(str, w))
+        return shape + ("+table" if self.ngram_depths else "")
+
 
 def choose_children(q: Tensor, width: int, greedy: bool, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
     """(F, V) q → (F, W) child tokens and (F, W) validity.

@@ -85,6 +85,8 @@ class GenerationResult:
         prefill_s: seconds of the LLM's prefill forward.
         plan_s: seconds spent in the planner (the scheduler's serve-time cost).
         records: per-step measurements when ``generate(record=True)``, else empty.
+        plan: the plan this request drafted with (the engine's default, its own, or its planner's
+            choice; None: not recorded, e.g. incremental decoding).
     """
 
     tokens: list[int]
@@ -96,6 +98,7 @@ class GenerationResult:
     prefill_s: float = 0.0
     plan_s: float = 0.0
     records: list[StepRecord] = field(default_factory=list)
+    plan: Plan | None = None
 
     @property
     def steps(self) -> int:
@@ -129,6 +132,11 @@ class Plan:
     def drafters(self) -> tuple[str, ...]:
         """The names of the drafters the plan drafts with."""
         return tuple(self.trees)
+
+    @property
+    def label(self) -> str:
+        """A short name for tables, e.g. "feature[3] + prompt-lookup[1x4]" ("plain": no drafter)."""
+        return " + ".join(f"{name}[{tree.label}]" for name, tree in self.trees.items()) or "plain"
 
 
 Planner = Callable[[Tensor], Plan | None]
@@ -222,7 +230,7 @@ class SpeculativeEngine:
         plan = self._checked(plan) if plan is not None else self.plan
         res = self._loop(committed, stop, sampling, on_tokens, plan, record)
         res.wall_time = time.perf_counter() - start
-        res.prefill_s, res.plan_s = prefill_s, plan_s
+        res.prefill_s, res.plan_s, res.plan = prefill_s, plan_s, plan
         return res
 
     def _loop(

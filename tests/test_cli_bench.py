@@ -52,7 +52,12 @@ def test_bench_writes_spec_bench_answers_and_summary(tiny_dirs, tmp_path, capsys
         assert choice["new_tokens"][0] > 0 and choice["wall_time"][0] > 0
     ours = [json.loads(line) for line in (out / "ours.jsonl").read_text().splitlines()]
     assert all(sum(r["choices"][0]["accept_lengths"]) == r["choices"][0]["new_tokens"][0] for r in ours)
-    assert "greedy_identical=3" in capsys.readouterr().out
+    # what each request drafted with (here the default plan), per answer and counted in the summary
+    assert all(r["choices"][0]["plan"] == summary["plan"] for r in ours)
+    assert summary["plans"] == {"ssm-1[2,1,1]": 3}
+    assert all(set(r["choices"][0]["proposer_hits"]) == {"ssm-1"} for r in ours)
+    printed = capsys.readouterr().out
+    assert "greedy_identical=3" in printed and "ours drafted with: ssm-1[2,1,1] x3" in printed
 
 
 def test_bench_with_prompt_lookup_alone_against_hf_prompt_lookup(tiny_dirs, tmp_path):

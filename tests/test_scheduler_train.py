@@ -198,6 +198,14 @@ def test_generate_serve_and_bench_assemble_the_same_engine_from_one_bundle(run_d
     assert list(generate.engine.drafters) == ["ssm-1", "ssm-2", LOOKUP_NAME]
     summary = json.loads((tmp_path / "bench" / "summary.json").read_text())
     assert summary["scheduler"] == (not no_scheduler) and summary["greedy_identical"] == 1
+    # the answer records the plan the request drafted with: the scheduler's choice (a subset of the drafters,
+    # possibly none), else the bundle's default plan
+    (answer,) = [json.loads(line) for line in (tmp_path / "bench" / "ours.jsonl").read_text().splitlines()]
+    plan = answer["choices"][0]["plan"]
+    assert set(plan) <= set(generate.engine.drafters) and sum(summary["plans"].values()) == 1
+    assert set(answer["choices"][0]["proposer_hits"]) == set(plan)
+    if no_scheduler:
+        assert plan == summary["plan"]
     # a tree the learned scheduler would override is refused, naming the way out; without it, it applies
     capsys.readouterr()
     assert main(["generate", bundle, "Hi", "--max-new-tokens", "2", "--widths", "1", *extra]) == (0 if no_scheduler else 2)
