@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-# Run from a checkout without installing: pyproject.toml maps the repo's top-level folders kernels/,
-# serving/, scheduler/, data/ onto boosttune.<name> ([tool.setuptools.package-dir]). Without an
+# Run from a checkout without installing: pyproject.toml maps the repo's top-level folders serving/,
+# scheduler/, data/ onto boosttune.<name> ([tool.setuptools.package-dir]). Without an
 # install, the same mapping is had by adding the repo root to boosttune's package __path__.
 _REPO = Path(__file__).resolve().parents[1]
 

@@ -8,8 +8,8 @@
 # within about 5.5 minutes at worst (60 s version checks + TEST_TIMEOUT 170 s + BENCH_TIMEOUT 110 s).
 #
 # Uses `python3` (override with PY=...), the interpreter that holds the CUDA build of torch. The
-# package is not installed there: pyproject.toml maps the repo's folders kernels/, serving/,
-# scheduler/, data/ onto boosttune.<name>, so a throwaway folder of symlinks ($SHIM) rebuilds that
+# package is not installed there: pyproject.toml maps the repo's folders serving/, scheduler/,
+# data/ onto boosttune.<name>, so a throwaway folder of symlinks ($SHIM) rebuilds that
 # layout. Python puts the working directory (python -m, python -) ahead of PYTHONPATH, and from the
 # repo root it would find the bare boosttune/ folder without its subpackages; so every Python
 # command runs with $SHIM as its working directory (and on PYTHONPATH), with absolute paths into
@@ -29,13 +29,13 @@ export HF_HUB_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 unset TRITON_INTERPRET  # the compiled kernels are what this check is for
 
-# --- import layout: $SHIM/boosttune = boosttune/* + kernels, serving, scheduler, data -------------
+# --- import layout: $SHIM/boosttune = boosttune/* (kernels/ inside) + serving, scheduler, data ---
 SHIM=$(mktemp -d "${TMPDIR:-/tmp}/boosttune_shim.XXXXXX")
 mkdir -p "$SHIM/boosttune"
 for f in "$REPO"/boosttune/*; do
   ln -s "$f" "$SHIM/boosttune/$(basename "$f")"
 done
-for sub in kernels serving scheduler data; do
+for sub in serving scheduler data; do
   ln -s "$REPO/$sub" "$SHIM/boosttune/$sub"
 done
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"

@@ -185,12 +185,15 @@ def test_refusal_messages_say_what_happened(bundle, copy):
 
 
 def test_llm_with_another_hash_is_refused(bundle, run_dir, tmp_path):
-    # An SSM of the run is a llama of the same shape with other weights: the wrong LLM.
+    # The wrong LLM: the right one's files with an SSM's weights (a llama of the same shape). Its
+    # config.json is the LLM's own: the SSM's may name another transformers version.
+    llm_dir = Path(_manifest(bundle)["llm"]["path"])
+    wrong = Path(shutil.copytree(llm_dir, tmp_path / "wrong-llm"))
+    shutil.copyfile(run_dir / "ssms/ssm-1/model.safetensors", wrong / "model.safetensors")
     with pytest.raises(BundleError, match="model.safetensors") as e:
-        verify_bundle(bundle, llm=str(run_dir / "ssms/ssm-1"))
+        verify_bundle(bundle, llm=str(wrong))
     assert "--llm" in str(e.value)
     # The right LLM copied elsewhere is accepted (--llm overrides where it is, the hash decides).
-    llm_dir = Path(_manifest(bundle)["llm"]["path"])
     moved = Path(shutil.copytree(llm_dir, tmp_path / "moved-llm"))
     assert verify_bundle(bundle, llm=str(moved)).llm_dir == moved
     # ... but not once its config changes.

@@ -25,7 +25,7 @@ PACKAGES = {  # import name -> folder in the repository
     "boosttune.cli": "boosttune/cli",
     "boosttune.serving": "serving",
     "boosttune.serving.http": "serving/http",
-    "boosttune.kernels": "kernels",
+    "boosttune.kernels": "boosttune/kernels",
     "boosttune.scheduler": "scheduler",
     "boosttune.scheduler.offline": "scheduler/offline",
     "boosttune.data": "data",
@@ -130,3 +130,20 @@ def test_editable_install(source_copy: Path) -> None:
         assert Path(result["files"][name]).resolve() == expected, name
     assert not any(result["foreign"].values()), result["foreign"]
     assert [m for m in result["loaded"] if not m.startswith("__editable__")] == ["boosttune"]
+
+
+def test_no_top_level_folder_shadows_an_installed_module() -> None:
+    """From the repo root (on sys.path under ``python -m``), no folder of ours hides a real module.
+
+    transformers 5.25 depends on HF's ``kernels`` and imports it; a top-level ``kernels/`` folder
+    made ``python -m pytest`` and every ``python -m boosttune.cli`` run from a clone fail there.
+    """
+    import importlib.metadata
+
+    installed = importlib.metadata.packages_distributions()
+    ours = {p.name for p in REPO.iterdir() if (p / "__init__.py").is_file()}
+    assert {"boosttune", "serving", "scheduler"} <= ours
+    clashes = {name: installed[name] for name in ours - {"boosttune"} if name in installed}
+    assert not clashes, f"top-level folders shadow installed modules: {clashes}"
+    # The import that broke: transformers' model classes, with the repo root first on sys.path.
+    run(sys.executable, "-c", "from transformers import LlamaConfig", cwd=REPO)

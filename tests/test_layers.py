@@ -13,7 +13,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 FOLDERS = {"boosttune": "boosttune", "serving": "boosttune.serving", "scheduler": "boosttune.scheduler",
-           "kernels": "boosttune.kernels", "data": "boosttune.data"}  # folder -> import name (pyproject)
+           "data": "boosttune.data"}  # folder -> import name (pyproject)
 
 LAYERS: list[tuple[str, ...]] = [
     ("boosttune.kernels", "boosttune.core", "boosttune.data"),  # tree attention; models, run dirs, files, prompts
