@@ -32,9 +32,8 @@ from boosttune.serving.draft_vocab import ranking_for
 from boosttune.serving.drafter import Drafter, SSMDrafter
 from boosttune.serving.engine import GenerationResult, Plan, SpeculativeEngine, TokenCallback
 from boosttune.serving.feature_drafter import FeatureDrafter
-from boosttune.serving.lean import drafter_runner
+from boosttune.serving.lean import drafter_runner, llm_runner
 from boosttune.serving.lookup import LOOKUP_NAME, PromptLookupDrafter, lookup_tree
-from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
 
@@ -105,7 +104,7 @@ def engine_from_models(
     if lookup:
         drafters[LOOKUP_NAME] = PromptLookupDrafter(vocab_size=v)
         trees[LOOKUP_NAME] = lookup_tree(lookup)
-    return SpeculativeEngine(ModelRunner(llm), drafters, Plan(trees))
+    return SpeculativeEngine(llm_runner(llm), drafters, Plan(trees))
 
 
 def from_refs(

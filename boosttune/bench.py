@@ -28,12 +28,14 @@ from boosttune.core.prompts import Prompt, encode_prompt, read_prompts
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.draft_vocab import find_ranking
-from boosttune.serving.engine import GenerationResult
+from boosttune.serving.engine import GenerationResult, Plan
 from boosttune.serving.stops import StopCriteria
 
-METHODS = ("baseline", "hf_assisted", "hf_lookup", "ours", *llama_cpp.PEER_METHODS)
+METHODS = ("baseline", "hf_plain", "hf_assisted", "hf_lookup", "ours", *llama_cpp.PEER_METHODS)
 DEFAULT_METHODS = ("baseline", "hf_assisted", "ours")
 BUNDLE_METHODS = ("baseline", "ours")
+# what a bundle may be benched beside: plain decoding, ours, and HF's own plain decoding
+_WITH_BUNDLE = (*BUNDLE_METHODS, "hf_plain")
 # llama-server's context: the longest prompt, the answer, and room for one draft beyond it.
 _CTX_MARGIN = 128
 
@@ -60,7 +62,9 @@ class BenchConfig:
         draft_ranking: the token ranking file (or its run directory) for a draft vocabulary > 0;
             None: the bundle's, or found next to the first SSM or in its run directory.
         chat: apply the LLM's chat template.
-        methods: which of baseline, hf_assisted, hf_lookup (HF's prompt lookup decoding, the
+        methods: which of baseline (plain decoding, one token per forward, through the same LLM runner
+            ours verifies with: speed-ups measure speculation alone), hf_plain (plain decoding through
+            transformers' own forward), hf_assisted, hf_lookup (HF's prompt lookup decoding, the
             peer of ``prompt_lookup``), ours to run (None: baseline, hf_assisted, ours; with a bundle,
             baseline and ours).
         prompt_lookup: > 0 adds a prompt-lookup drafter (``serving/lookup.py``) proposing up to
@@ -105,7 +109,7 @@ class BenchConfig:
         if self.bundle is not None:
             if self.ssms:
                 raise ValueError("--ssm cannot be combined with --bundle: the bundle's SSMs are used")
-            peers = sorted(set(self.methods) - set(BUNDLE_METHODS) - set(llama_cpp.PEER_METHODS))
+            peers = sorted(set(self.methods) - set(_WITH_BUNDLE) - set(llama_cpp.PEER_METHODS))
             if peers:
                 raise ValueError(f"--methods {peers}: with --bundle, bench runs what the bundle serves (ours) "
                                  "beside plain decoding (baseline); HF's peers take --llm/--ssm")
@@ -243,7 +247,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
 
         def runners(stop: StopCriteria) -> dict[str, Callable[[list[int]], GenerationResult]]:
             return {
-                "baseline": lambda ids: incremental_generate(llm.model, ids, stop),
+                "baseline": lambda ids: served.engine.generate(ids, stop, plan=Plan()),  # no drafter
+                "hf_plain": lambda ids: incremental_generate(llm.model, ids, stop),
                 "hf_assisted": lambda ids: _hf_generate(llm, ids, stop, assistant_model=ssms[0].model),
                 "hf_lookup": lambda ids: _hf_generate(llm, ids, stop, prompt_lookup_num_tokens=served.lookup),
                 "ours": lambda ids: served.generate(ids, stop, chat=cfg.chat),
@@ -303,6 +308,11 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, serv
     def tps(m: str) -> float:
         return _mean([len(r.tokens) / r.wall_time for r in results.get(m, [])])
 
+    def same(m: str) -> int | None:
+        """Answers of ``m`` token-identical to the baseline's (None: one of them did not run)."""
+        a, b = results.get(m, []), results.get("baseline", [])
+        return sum(x.tokens == y.tokens for x, y in zip(a, b, strict=True)) if a and b else None
+
     ours = results.get("ours", [])
     base = results.get("baseline", [])
     hf = results.get("hf_assisted", [])
@@ -313,6 +323,9 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, serv
         "tau": sum(len(r.tokens) for r in ours) / steps if steps else float("nan"),
         "tokens_per_s": tps("ours"),
         "baseline_tokens_per_s": tps("baseline"),
+        "llm_runner": type(served.engine.llm).__name__,  # baseline's and ours' LLM forward
+        "hf_plain_tokens_per_s": tps("hf_plain"),
+        "hf_plain_identical": same("hf_plain"),
         "hf_assisted_tokens_per_s": tps("hf_assisted"),
         "greedy_identical": sum(a.tokens == b.tokens for a, b in zip(ours, base, strict=True)) if base and ours else None,
         "hf_assisted_identical": sum(a.tokens == b.tokens for a, b in zip(hf, base, strict=True)) if base and hf else None,
@@ -355,6 +368,9 @@ def format_table(summary: dict) -> str:
     rows = [("method", "tokens/s", "tau", "accept", "speedup", "= baseline")]
     if "baseline" in ran:
         rows.append(("baseline (incremental)", f"{base:.2f}", "1.00", "-", "1.00", "-"))
+    if "hf_plain" in ran:
+        rows.append(("hf_plain (transformers)", f"{summary['hf_plain_tokens_per_s']:.2f}", "1.00", "-",
+                     _ratio(summary["hf_plain_tokens_per_s"], base), _fmt_int(summary["hf_plain_identical"])))
     if "hf_assisted" in ran:
         rows.append(("hf_assisted", f"{summary['hf_assisted_tokens_per_s']:.2f}", "-", "-",
                      _ratio(summary["hf_assisted_tokens_per_s"], base), _fmt_int(summary["hf_assisted_identical"])))
@@ -370,7 +386,8 @@ def format_table(summary: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    footer = (f"dtype={summary['dtype']} (SSMs {summary['ssm_dtype']})  questions={summary['total']}  "
+    footer = (f"dtype={summary['dtype']} (SSMs {summary['ssm_dtype']})  LLM runner={summary.get('llm_runner')}  "
+              f"questions={summary['total']}  "
               f"threads={summary['threads']}  greedy_identical={summary['greedy_identical']}")
     if summary["speedup_vs_hf_assisted"] is not None:
         footer += f"  speedup_vs_hf_assisted={_fmt(summary['speedup_vs_hf_assisted'])}"

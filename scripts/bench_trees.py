@@ -30,7 +30,6 @@ from boosttune.cli.flags import int_list
 from boosttune.core.models import dtype_name, eos_token_ids, load_llm_and_ssms, parse_dtype
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.serving.builders import TreeConfig
-from boosttune.serving.decode import incremental_generate
 from boosttune.serving.draft_vocab import ranking_for
 from boosttune.serving.stops import StopCriteria
 
@@ -106,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     eos = eos_token_ids(llm)
     stop = StopCriteria(max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
     warm = StopCriteria(max_new_tokens=8, eos_token_ids=eos)
-    incremental_generate(llm.model, encoded[0], warm)  # first calls pay for lazy initialisation
+    # plain decoding through the LLM runner the engines verify with (``bench``'s baseline)
+    plain = engine_from_models(llm.model, [], tree_of((), args.draft_vocab), ranking)
+    plain.generate(encoded[0], warm)  # first calls pay for lazy initialisation
     for engine in engines.values():
         engine.generate(encoded[0], warm)
     names = ["plain", *engines]
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     verify_ms: dict[str, list[float]] = {name: [] for name in engines}
     nodes: dict[str, list[int]] = {name: [] for name in engines}
     for i, ids in enumerate(encoded, 1):
-        base = incremental_generate(llm.model, ids, stop)
+        base = plain.generate(ids, stop)
         seconds["plain"] += base.wall_time
         tokens["plain"] += len(base.tokens)
         for name, engine in engines.items():

@@ -60,6 +60,20 @@ def test_bench_writes_spec_bench_answers_and_summary(tiny_dirs, tmp_path, capsys
     assert "greedy_identical=3" in printed and "ours drafted with: ssm-1[2,1,1] x3" in printed
 
 
+def test_bench_baseline_runs_through_the_engines_llm_runner_beside_transformers(tiny_dirs, tmp_path, capsys):
+    """The baseline is plain decoding through the runner ours verifies with (speed-ups measure speculation
+    alone); hf_plain is transformers' own incremental decoding, the same tokens in fp32."""
+    out = tmp_path / "bench"
+    assert main(["bench", "--llm", str(tiny_dirs / "llm"), "--ssm", str(tiny_dirs / "ssm"), "--questions", str(MT_BENCH),
+                 "--limit", "2", "--max-new-tokens", "8", "--methods", "baseline,hf_plain,ours", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["llm_runner"] == "LeanRunner" and summary["hf_plain_tokens_per_s"] > 0
+    assert summary["hf_plain_identical"] == summary["greedy_identical"] == 2
+    assert "hf_plain (transformers)" in capsys.readouterr().out
+    baseline = [json.loads(line) for line in (out / "baseline.jsonl").read_text().splitlines()]
+    assert all(r["choices"][0]["plan"] == {} and set(r["choices"][0]["accept_lengths"]) == {1} for r in baseline)
+
+
 def test_bench_with_prompt_lookup_alone_against_hf_prompt_lookup(tiny_dirs, tmp_path):
     """No SSM: ours drafts by prompt lookup only; HF's prompt lookup decoding is the peer."""
     out = tmp_path / "bench"

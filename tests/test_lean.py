@@ -97,6 +97,25 @@ def test_only_plain_llama_models_qualify(monkeypatch):
     assert type(drafter_runner(model)) is ModelRunner
 
 
+def test_the_llm_runs_lean_on_cpu_in_assembled_engines():
+    """On CPU the assembled engine's LLM runs through LeanRunner (its plain decoding too: bench's baseline),
+    and its greedy output is transformers' incremental decoding's, token for token (fp32)."""
+    from boosttune.serving.engine import Plan
+    from boosttune.serving.lean import llm_runner
+
+    llm = tiny_llama(7)
+    biased = tiny_llama(7)
+    biased.config.attention_bias = True
+    assert isinstance(llm_runner(llm), LeanRunner) and type(llm_runner(biased)) is ModelRunner
+    engine = engine_from_models(llm, [perturbed(llm, 8, 0.3)], TreeConfig(widths=(2, 1, 1)))
+    assert isinstance(engine.llm, LeanRunner)
+    stop = StopCriteria(max_new_tokens=24)
+    for prompt in ([3, 4, 5], [9, 1, 2, 9, 1]):
+        ref = incremental_generate(llm, prompt, stop).tokens
+        assert engine.generate(prompt, stop).tokens == ref
+        assert engine.generate(prompt, stop, plan=Plan()).tokens == ref  # plain decoding, the same runner
+
+
 @pytest.mark.parametrize("tree", [TreeConfig(widths=(1, 3, 1)), TreeConfig(kind="dynamic", topk=3, depth=3, budget=6)])
 def test_engines_drafting_through_lean_runners_decode_exactly(tree, monkeypatch):
     llm = tiny_llama(0)

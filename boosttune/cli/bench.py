@@ -22,7 +22,8 @@ def add_commands(sub) -> dict:
     b.add_argument("--out", required=True, help="output directory (answers JSONL + summary.json)")
     b.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     b.add_argument("--methods", default=None,
-                   help="comma-separated subset of baseline, hf_assisted, hf_lookup (needs --prompt-lookup), ours, "
+                   help="comma-separated subset of baseline (plain decoding through our LLM runner), hf_plain (plain "
+                        "decoding through transformers' forward), hf_assisted, hf_lookup (needs --prompt-lookup), ours, "
                         "and llama.cpp's llama (llama-server alone), llama_draft (with --draft-gguf), llama_ngram "
                         "(its n-gram self-speculation) (default baseline,hf_assisted,ours; with --bundle, baseline,ours)")
     g = b.add_argument_group("llama.cpp peer (methods llama, llama_draft, llama_ngram)")
