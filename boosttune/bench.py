@@ -308,15 +308,14 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, serv
     def tps(m: str) -> float:
         return _mean([len(r.tokens) / r.wall_time for r in results.get(m, [])])
 
-    def same(m: str) -> int | None:
-        """Answers of ``m`` token-identical to the baseline's (None: one of them did not run)."""
-        a, b = results.get(m, []), results.get("baseline", [])
+    def same(m: str, ref: str = "baseline") -> int | None:
+        """Answers of ``m`` token-identical to ``ref``'s (None: one of them did not run)."""
+        a, b = results.get(m, []), results.get(ref, [])
         return sum(x.tokens == y.tokens for x, y in zip(a, b, strict=True)) if a and b else None
 
     ours = results.get("ours", [])
     base = results.get("baseline", [])
     hf = results.get("hf_assisted", [])
-    hfl = results.get("hf_lookup", [])
     steps = sum(r.steps for r in ours)
     summary = {
         "total": len(next(iter(results.values()))),
@@ -327,10 +326,10 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, serv
         "hf_plain_tokens_per_s": tps("hf_plain"),
         "hf_plain_identical": same("hf_plain"),
         "hf_assisted_tokens_per_s": tps("hf_assisted"),
-        "greedy_identical": sum(a.tokens == b.tokens for a, b in zip(ours, base, strict=True)) if base and ours else None,
-        "hf_assisted_identical": sum(a.tokens == b.tokens for a, b in zip(hf, base, strict=True)) if base and hf else None,
+        "greedy_identical": same("ours"),
+        "hf_assisted_identical": same("hf_assisted"),
         "hf_lookup_tokens_per_s": tps("hf_lookup"),
-        "hf_lookup_identical": sum(a.tokens == b.tokens for a, b in zip(hfl, base, strict=True)) if base and hfl else None,
+        "hf_lookup_identical": same("hf_lookup"),
         "prompt_lookup": served.lookup,
         "dtype": cfg.dtype,
         "ssm_dtype": cfg.ssm_dtype or cfg.dtype,
@@ -350,12 +349,11 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, serv
     summary["speedup_vs_baseline"] = summary["tokens_per_s"] / summary["baseline_tokens_per_s"] if base and ours else None
     summary["speedup_vs_hf_assisted"] = summary["tokens_per_s"] / summary["hf_assisted_tokens_per_s"] if hf and ours else None
     for m, info in (llama or {}).get("methods", {}).items():
-        rs = results[m]
         summary[f"{m}_tokens_per_s"] = tps(m)
-        summary[f"{m}_identical"] = sum(a.tokens == b.tokens for a, b in zip(rs, base, strict=True)) if base else None
+        summary[f"{m}_identical"] = same(m)
         summary[f"{m}_acceptance"] = info["draft_n_accepted"] / info["draft_n"] if info["draft_n"] else None
         if m != "llama" and "llama" in results:  # llama.cpp's speculation against its own plain decoding
-            info["identical_to_llama"] = sum(a.tokens == b.tokens for a, b in zip(rs, results["llama"], strict=True))
+            info["identical_to_llama"] = same(m, "llama")
     summary["llama_cpp"] = llama
     return summary
 
