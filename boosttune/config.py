@@ -213,6 +213,9 @@ class FeatureConfig:
             LLM's distribution there is as good a target as anywhere, and the teacher recorded those
             features anyway: more targets at no teacher cost); 0: answers only (EAGLE's recipe).
         weight_decay: AdamW's decoupled weight decay on the trained weights.
+        loss: the classification loss against the LLM's distribution p (``train/feature.py``): ``kl``
+            cross-entropy against p (soft targets; EAGLE's), ``ce`` against p's argmax (hard targets),
+            ``tv`` total variation (one minus speculative sampling's acceptance), ``kl+tv`` both.
     """
 
     enabled: bool = False
@@ -228,6 +231,7 @@ class FeatureConfig:
     depth2_weight: float = 0.0
     prompt_weight: float = 0.0
     weight_decay: float = 0.0
+    loss: Literal["kl", "ce", "tv", "kl+tv"] = "kl"
 
     def __post_init__(self) -> None:
         if not self.layers:

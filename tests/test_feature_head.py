@@ -10,7 +10,7 @@ from conftest import local_llm, noisy_head, oracle_head, perturbed, tiny_llama
 from safetensors import safe_open
 
 from boosttune.assemble import engine_from_models
-from boosttune.config import FeatureConfig
+from boosttune.config import FeatureConfig, TrainConfig, from_dict
 from boosttune.core.feature_head import (
     FC_ATTR,
     attach_fc,
@@ -209,3 +209,29 @@ def test_prompt_weight_adds_the_prompts_targets_and_zero_keeps_answers_only():
     assert min(float(base["ce"]), float(with_p["ce"])) < float(half) < max(float(base["ce"]), float(with_p["ce"]))
     with pytest.raises(ValueError, match="prompt_weight"):
         FeatureConfig(prompt_weight=-1.0)
+
+
+def test_classification_losses_are_what_they_say():
+    """``feature.loss``: ``kl`` is the soft cross-entropy (forward KL plus p's entropy), ``ce`` the
+    cross-entropy on p's argmax, ``tv`` one minus the mass p and q share (zero exactly when q = p, the
+    rejection probability of speculative sampling), ``kl+tv`` their sum; an unknown name is refused."""
+    from boosttune.train.feature import classification_loss
+
+    g = torch.Generator().manual_seed(2)
+    pred, other = torch.randn(5, 12, generator=g), torch.randn(5, 12, generator=g) * 2
+    p, q = torch.softmax(other, -1), torch.softmax(pred, -1)
+    kl = classification_loss(pred, p, "kl")
+    entropy = -(p * p.log()).sum(-1)
+    assert torch.allclose(kl - entropy, (p * (p.log() - q.log())).sum(-1), atol=1e-5)
+    assert torch.allclose(classification_loss(pred, p, "ce"), -q.log()[torch.arange(5), p.argmax(-1)], atol=1e-6)
+    tv = classification_loss(pred, p, "tv")
+    assert torch.allclose(tv, 0.5 * (p - q).abs().sum(-1), atol=1e-6)
+    assert torch.allclose(classification_loss(other, p, "tv"), torch.zeros(5), atol=1e-6)
+    assert torch.allclose(classification_loss(pred, p, "kl+tv"), kl + tv, atol=1e-5)
+    pred.requires_grad_(True)
+    classification_loss(pred, p, "tv").sum().backward()
+    assert pred.grad is not None and pred.grad.abs().sum() > 0  # it trains
+    with pytest.raises(ValueError, match="feature.loss"):
+        classification_loss(pred, p, "js")
+    with pytest.raises(ValueError, match="loss"):
+        from_dict(TrainConfig, {"feature": {"loss": "js"}})

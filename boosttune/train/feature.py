@@ -12,9 +12,14 @@ Losses, as EAGLE trains its head (Li et al. 2024, arXiv 2401.15077, §4: a smoot
 the next feature plus 0.1 times a classification loss, with uniform noise U(-0.1, 0.1) added to the
 input features so the head tolerates its own errors at later depths):
 - ``reg``: smooth-L1 between the predicted and the LLM's next feature, at every pair;
-- ``ce``: cross-entropy of the head's next-token distribution against the LLM's own distribution
-  at ``F_{j+1}`` (soft targets, free: the LLM's head applied to the stored features), over the draft
-  vocabulary (the K rows of the LM head the head drafts with), at the continuation's pairs.
+- ``ce``: the classification loss between the head's next-token distribution q and the LLM's own
+  distribution p at ``F_{j+1}`` (free: the LLM's head applied to the stored features), over the draft
+  vocabulary (the K rows of the LM head the head drafts with), at the continuation's pairs. Which
+  one is ``feature.loss`` (:data:`LOSSES`): cross-entropy against p (soft targets: forward KL up to
+  p's entropy, the default), against p's argmax (hard targets: the token greedy verification
+  accepts), or total variation ``1 - sum(min(p, q))``, which is one minus the probability that
+  speculative sampling accepts a draft from q (Leviathan et al. 2023, arXiv 2211.17192, §3.5), so
+  minimising it maximises acceptance directly.
 The embeddings and the tied LM head stay frozen (they are the LLM's); the projection, the decoder
 layers and the final norm train.
 """
@@ -84,9 +89,30 @@ def _batches(lengths: Sequence[int], batch_tokens: int, gen: torch.Generator) ->
     return [batches[i] for i in perm]
 
 
+LOSSES = ("kl", "ce", "tv", "kl+tv")
+"""``feature.loss``: soft cross-entropy (``kl``), hard cross-entropy on the LLM's argmax (``ce``), total
+variation (``tv``), or the sum of the first and the last."""
+
+
+def classification_loss(pred: Tensor, target: Tensor, kind: str) -> Tensor:
+    """(C,) per-pair loss of (C, K) head logits ``pred`` against (C, K) LLM probabilities ``target``."""
+    logq = torch.log_softmax(pred, dim=-1)
+    out = torch.zeros(pred.shape[0], device=pred.device)
+    if kind in ("kl", "kl+tv"):
+        out = out - (target * logq).sum(-1)
+    if kind == "ce":
+        out = out - logq.gather(-1, target.argmax(-1, keepdim=True))[:, 0]
+    if kind in ("tv", "kl+tv"):
+        out = out + 1.0 - torch.minimum(target, logq.exp()).sum(-1)
+    if kind not in LOSSES:
+        raise ValueError(f"feature.loss must be one of {LOSSES}, got {kind!r}")
+    return out
+
+
 def head_losses(
     head: PreTrainedModel, samples: Sequence[Sample], feats: Sequence[Tensor], rows: Tensor, noise: float,
     gen: torch.Generator | None = None, depth2: bool = False, prompt_weight: float = 0.0, top1: bool = True,
+    loss: str = "kl",
 ) -> dict[str, Tensor]:
     """The losses on one batch (and, with ``top1``, top-1 agreement with the LLM's argmax, a diagnostic).
 
@@ -102,6 +128,7 @@ def head_losses(
             (``top1`` stays the continuation's).
         top1: also ``top1`` (and ``top1_2``): two argmaxes over (pairs, K), which cost a training step
             about 15 % at K = 8,192 (``TOP1_EVERY``), so training asks for it only now and then.
+        loss: the classification loss (:data:`LOSSES`), reported as ``ce`` whichever it is.
     """
     b, width = len(samples), feats[0].shape[1]
     n = max(len(s.ids) for s in samples) - 1  # pairs of the longest sample
@@ -130,18 +157,18 @@ def head_losses(
                   **{cache_keyword(body.forward): cache}).last_hidden_state  # (B, n, H)
     valid, cont, f_out = valid.to(dev), cont.to(dev), f_out.to(dev)
     w = head.get_output_embeddings().weight[rows.to(dev)].float()  # (K, H), frozen
-    out = _step_losses(hidden, f_out, valid, cont, w, "", prompt_weight, top1)
+    out = _step_losses(hidden, f_out, valid, cont, w, "", prompt_weight, top1, loss)
     if depth2:  # step-2 pair j predicts F_{j+2}: pair j + 1's target
         second = second_step(head, cache, hidden, tok)
-        out |= _step_losses(second, f_out[:, 1:], valid[:, 1:], cont[:, 1:], w, "2", prompt_weight, top1)
+        out |= _step_losses(second, f_out[:, 1:], valid[:, 1:], cont[:, 1:], w, "2", prompt_weight, top1, loss)
     return out
 
 
 def _step_losses(hidden: Tensor, f_out: Tensor, valid: Tensor, cont: Tensor, w: Tensor, suffix: str,
-                 prompt_weight: float = 0.0, top1: bool = True) -> dict[str, Tensor]:
+                 prompt_weight: float = 0.0, top1: bool = True, loss: str = "kl") -> dict[str, Tensor]:
     """``reg``, ``ce`` and, with ``top1``, ``top1`` (each name + ``suffix``) of one draft step's (B, n, H)
     outputs against the LLM's next features ``f_out``; ``valid``: real pairs, ``cont``: pairs predicting
-    the continuation, the others' cross-entropy weighted by ``prompt_weight``."""
+    the continuation, the others' classification loss (``loss``) weighted by ``prompt_weight``."""
     reg = F.smooth_l1_loss(hidden[valid].float(), f_out[valid])
     pick = valid if prompt_weight else cont
     pred = hidden[pick].float() @ w.T  # (C, K)
@@ -149,7 +176,7 @@ def _step_losses(hidden: Tensor, f_out: Tensor, valid: Tensor, cont: Tensor, w: 
     with torch.no_grad():
         target = torch.softmax(f_out[pick] @ w.T, dim=-1)
         weight = torch.where(is_cont, 1.0, prompt_weight)
-    ce_each = -(target * torch.log_softmax(pred, dim=-1)).sum(-1)
+    ce_each = classification_loss(pred, target, loss)
     ce = (ce_each * weight).sum() / weight.sum().clamp(min=1e-9)
     out = {f"reg{suffix}": reg, f"ce{suffix}": ce}
     if top1:
@@ -201,7 +228,7 @@ def train_head(
         with amp:
             losses = head_losses(head, [samples[i] for i in idx], [feats[i] for i in idx], rows, cfg.noise, gen,
                                  depth2=cfg.depth2_weight > 0, prompt_weight=cfg.prompt_weight,
-                                 top1=step % TOP1_EVERY == 0)
+                                 top1=step % TOP1_EVERY == 0, loss=cfg.loss)
         loss = cfg.reg_weight * losses["reg"] + cfg.ce_weight * losses["ce"]
         if "ce2" in losses:
             loss = loss + cfg.depth2_weight * (cfg.reg_weight * losses["reg2"] + cfg.ce_weight * losses["ce2"])
@@ -221,8 +248,10 @@ def train_head(
 
 
 @torch.no_grad()
-def evaluate_head(head: PreTrainedModel, samples: Sequence[Sample], feats: Sequence[Tensor], rows: Tensor) -> dict:
-    """Held-out losses and top-1 agreement with the LLM over the draft vocabulary: at depth 1 from the
+def evaluate_head(head: PreTrainedModel, samples: Sequence[Sample], feats: Sequence[Tensor], rows: Tensor,
+                  loss: str = "kl") -> dict:
+    """Held-out losses (``ce``: the classification loss ``loss``) and top-1 agreement with the LLM over
+    the draft vocabulary: at depth 1 from the
     LLM's features (``reg``, ``ce``, ``top1``), at depth 2 from the head's own (``reg2``, ``ce2``,
     ``top1_2``; whether or not it trained for depth 2)."""
     was = head.training
@@ -233,7 +262,7 @@ def evaluate_head(head: PreTrainedModel, samples: Sequence[Sample], feats: Seque
         if len(s.ids) - s.prompt_len < 2:
             continue
         second = len(s.ids) - s.prompt_len >= 3  # depth 2 needs a second continuation token to guess
-        losses = head_losses(head, [s], [f], rows, 0.0, depth2=second)
+        losses = head_losses(head, [s], [f], rows, 0.0, depth2=second, loss=loss)
         for k, v in losses.items():
             out[k] += float(v)
         n += 1
