@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""How often feature heads guess the LLM's next token on a prompt set, without timing anything: a
-quick way to compare heads (seconds per head instead of minutes of benchmark).
+"""How often feature heads (and standalone SSMs) guess the LLM's next token on a prompt set, without
+timing anything: a quick way to compare drafters (seconds each instead of minutes of benchmark).
 
 The LLM writes its greedy answers once, keeping its features (the teacher's batched decoder). Each
 head then reads those answers teacher-forced, as serving would feed it: the LLM's feature at a position
@@ -15,6 +15,11 @@ engine's verification). With ``--second N`` it also gives each first-level child
 drafted from the head's predicted feature as serving drafts depth 2 (``train/feature.py``
 ``second_step``): it prints how often the child that held the LLM's token also held the next one among
 its N, and the τ of widths [``--top``, N].
+
+A standalone SSM (a folder without ``feature_head.json``) reads the prompt and the answer
+teacher-forced in one forward and is scored the same way: its guesses for answer token i are its
+logits after ``prompt + answer[:i]``, and with ``--second N`` the child holding token i guesses token
+i + 1 among its N from ``prompt + answer[:i + 1]``, as an SSM's chain drafts.
 
 Usage:
     python scripts/head_acceptance.py runs/hour/ssms/feature runs/hour3/ssms/feature \\
@@ -31,6 +36,7 @@ import torch
 from boosttune.core.feature_head import is_feature_head, teacher_forced_ranks
 from boosttune.core.models import eos_token_ids, load_llm_and_ssms, model_vocab_size
 from boosttune.core.prompts import encode_prompt, read_prompts
+from boosttune.core.ranks import NOT_DRAFTABLE, token_ranks
 from boosttune.serving.draft_vocab import head_ids, ranking_for
 from boosttune.train.batched_decode import decode_batch
 
@@ -56,9 +62,22 @@ def head_hits(head, features: torch.Tensor, ids: list[int], prompt_len: int, row
     return ranks1 == 0, ranks1 < top, hits2
 
 
+@torch.no_grad()
+def ssm_hits(ssm, ids: list[int], prompt_len: int, rows: torch.Tensor, top: int, second: int = 0):
+    """:func:`head_hits` for a standalone SSM: ranks of answer token i among its logits after
+    ``ids[:prompt_len + i]`` (one teacher-forced forward), the depth-2 hit of token i being token
+    i + 1's rank below ``second``."""
+    x = torch.tensor([ids[:-1]], device=ssm.device)
+    hidden = ssm.base_model(input_ids=x, use_cache=False).last_hidden_state[0]  # position j guesses ids[j + 1]
+    ranks = token_ranks(hidden[prompt_len - 1 :], ssm.get_output_embeddings().weight, rows,
+                        torch.tensor(ids[prompt_len:]))
+    nxt = torch.cat([ranks[1:], torch.tensor([NOT_DRAFTABLE])])
+    return ranks == 0, ranks < top, nxt < second if second else torch.zeros_like(ranks, dtype=torch.bool)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("heads", nargs="+", help="feature-head folders (a run's ssms/feature, or a bundle's)")
+    p.add_argument("heads", nargs="+", help="feature-head or SSM folders (a run's ssms/feature, ssms/ssm-1, or a bundle's)")
     p.add_argument("--llm", default="default")
     p.add_argument("--questions", required=True)
     p.add_argument("--limit", type=int, default=80)
@@ -73,9 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.top < 1 or args.second < 0:
         p.error("--top must be >= 1 and --second >= 0")
     llm, heads = load_llm_and_ssms(args.llm, args.heads, torch.float32)
-    for ref, h in zip(args.heads, heads, strict=True):
-        if not is_feature_head(h.model):
-            p.error(f"{ref} is not a feature head (no feature_head.json): this script reads LLM features")
     vocab = model_vocab_size(llm.model)
     ranking = ranking_for(args.draft_vocab, args.draft_ranking, args.heads)
     rows = head_ids(ranking, args.draft_vocab, vocab) if args.draft_vocab else torch.arange(vocab)
@@ -96,8 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         first = any_ = n = steps = hit = both = steps2 = 0
         for prompt, tokens, feats in answers:
             if tokens and len(prompt) >= 2:  # the first guess reads the token before the last
-                one, some, deep = head_hits(h.model, feats, list(prompt) + list(tokens), len(prompt), rows, args.top,
-                                            args.second)
+                ids = list(prompt) + list(tokens)
+                if is_feature_head(h.model):
+                    one, some, deep = head_hits(h.model, feats, ids, len(prompt), rows, args.top, args.second)
+                else:
+                    one, some, deep = ssm_hits(h.model, ids, len(prompt), rows, args.top, args.second)
                 first, any_, n = first + int(one.sum()), any_ + int(some.sum()), n + len(one)
                 steps += walked_steps(some.tolist())
                 hit, both = hit + int(some[:-1].sum()), both + int((some[:-1] & deep[:-1]).sum())

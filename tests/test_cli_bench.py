@@ -246,6 +246,19 @@ def test_head_acceptance_predicts_the_tau_the_engine_measures(tmp_path, capsys):
     assert predicted == measured
 
 
+def test_head_acceptance_predicts_a_standalone_ssms_tau_too(tiny_dirs, capsys):
+    """For an SSM (no feature head) the script's τ, one level of 3 and 3,1, is the engine's (fp32)."""
+    common = ["--llm", str(tiny_dirs / "llm"), "--questions", str(MT_BENCH), "--limit", "3", "--max-new-tokens", "16"]
+    assert _script("head_acceptance").main([str(tiny_dirs / "ssm"), *common, "--top", "3", "--second", "1"]) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {tiny_dirs / 'ssm'} ")]
+    predicted = {"w3": float(row[0].split("|")[5]), "w31": float(row[0].split("|")[7])}
+    assert _bench_trees().main(["--ssm", str(tiny_dirs / "ssm"), *common, "w3=3", "w31=3,1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    measured = {name: float([line for line in out if line.startswith(f"| {name} ")][0].split("|")[4]) for name in predicted}
+    assert 1.2 < measured["w3"] < measured["w31"], measured  # a noisy copy: it guesses often, not always
+    assert predicted == measured
+
+
 def test_head_acceptance_walks_steps_of_one_or_two_tokens():
     walked = _script("head_acceptance").walked_steps
     assert walked([]) == 0
