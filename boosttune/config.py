@@ -216,6 +216,8 @@ class FeatureConfig:
         loss: the classification loss against the LLM's distribution p (``train/feature.py``): ``kl``
             cross-entropy against p (soft targets; EAGLE's), ``ce`` against p's argmax (hard targets),
             ``tv`` total variation (one minus speculative sampling's acceptance), ``kl+tv`` both.
+            ``kl`` guessed best on MT-bench (5-minute demo heads on 96.8k teacher tokens: top-1 0.343
+            against 0.298 / 0.319 / 0.331; README, *The classification loss*).
     """
 
     enabled: bool = False
