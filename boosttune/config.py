@@ -187,6 +187,10 @@ class BoostConfig:
     """If fewer samples remain unmatched, later stages train on all samples instead."""
 
 
+FeatureLoss = Literal["kl", "ce", "tv", "kl+tv"]
+"""``feature.loss``'s names (``train/feature.py`` ``classification_loss``)."""
+
+
 @dataclass
 class FeatureConfig:
     """A feature head (``boosttune/core/feature_head.py``: an EAGLE-style drafter that reads the LLM's
@@ -233,7 +237,7 @@ class FeatureConfig:
     depth2_weight: float = 0.0
     prompt_weight: float = 0.0
     weight_decay: float = 0.0
-    loss: Literal["kl", "ce", "tv", "kl+tv"] = "kl"
+    loss: FeatureLoss = "kl"
 
     def __post_init__(self) -> None:
         if not self.layers:

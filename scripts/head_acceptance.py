@@ -36,8 +36,9 @@ import torch
 from boosttune.core.feature_head import is_feature_head, teacher_forced_ranks
 from boosttune.core.models import eos_token_ids, load_llm_and_ssms, model_vocab_size
 from boosttune.core.prompts import encode_prompt, read_prompts
-from boosttune.core.ranks import NOT_DRAFTABLE, token_ranks
+from boosttune.core.ranks import NOT_DRAFTABLE
 from boosttune.serving.draft_vocab import head_ids, ranking_for
+from boosttune.serving.drafter import draft_ranks
 from boosttune.train.batched_decode import decode_batch
 
 
@@ -62,15 +63,11 @@ def head_hits(head, features: torch.Tensor, ids: list[int], prompt_len: int, row
     return ranks1 == 0, ranks1 < top, hits2
 
 
-@torch.no_grad()
-def ssm_hits(ssm, ids: list[int], prompt_len: int, rows: torch.Tensor, top: int, second: int = 0):
-    """:func:`head_hits` for a standalone SSM: ranks of answer token i among its logits after
-    ``ids[:prompt_len + i]`` (one teacher-forced forward), the depth-2 hit of token i being token
-    i + 1's rank below ``second``."""
-    x = torch.tensor([ids[:-1]], device=ssm.device)
-    hidden = ssm.base_model(input_ids=x, use_cache=False).last_hidden_state[0]  # position j guesses ids[j + 1]
-    ranks = token_ranks(hidden[prompt_len - 1 :], ssm.get_output_embeddings().weight, rows,
-                        torch.tensor(ids[prompt_len:]))
+def ssm_hits(ssm, prompt: list[int], tokens: list[int], rows: torch.Tensor, top: int, second: int = 0):
+    """:func:`head_hits` for a standalone SSM: ranks of each answer token among its logits after the
+    true prefix (``draft_ranks``: one teacher-forced forward, as the scheduler's replay reads an SSM),
+    the depth-2 hit of token i being token i + 1's rank below ``second``."""
+    ranks = torch.from_numpy(draft_ranks(ssm, prompt, tokens, rows))
     nxt = torch.cat([ranks[1:], torch.tensor([NOT_DRAFTABLE])])
     return ranks == 0, ranks < top, nxt < second if second else torch.zeros_like(ranks, dtype=torch.bool)
 
@@ -112,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         first = any_ = n = steps = hit = both = steps2 = 0
         for prompt, tokens, feats in answers:
             if tokens and len(prompt) >= 2:  # the first guess reads the token before the last
-                ids = list(prompt) + list(tokens)
                 if is_feature_head(h.model):
-                    one, some, deep = head_hits(h.model, feats, ids, len(prompt), rows, args.top, args.second)
+                    one, some, deep = head_hits(h.model, feats, list(prompt) + list(tokens), len(prompt), rows,
+                                                args.top, args.second)
                 else:
-                    one, some, deep = ssm_hits(h.model, ids, len(prompt), rows, args.top, args.second)
+                    one, some, deep = ssm_hits(h.model, list(prompt), list(tokens), rows, args.top, args.second)
                 first, any_, n = first + int(one.sum()), any_ + int(some.sum()), n + len(one)
                 steps += walked_steps(some.tolist())
                 hit, both = hit + int(some[:-1].sum()), both + int((some[:-1] & deep[:-1]).sum())

@@ -149,9 +149,14 @@ def distill_losses(logits: torch.Tensor, targets: torch.Tensor, batch: dict, kin
         if kind == "ce+kl":
             out["kl"] = (logp_k.exp() * (logp_k - logq_k)).sum(-1).mean()
         else:
-            q_k = logq_k.exp()
-            out["tv"] = 0.5 * ((logp_k.exp() - q_k).abs().sum(-1) + (1 - q_k.sum(-1)).clamp_min(0)).mean()
+            out["tv"] = total_variation(logp_k.exp(), logq_k.exp()).mean()
     return out
+
+
+def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(n,) total variation between (n, k) distributions ``p`` and ``q``'s mass on the same k tokens,
+    q's mass outside them (where p is 0) counted too: 1 - sum(min(p, q)) when p sums to 1."""
+    return 0.5 * ((p - q).abs().sum(-1) + (1 - q.sum(-1)).clamp_min(0))
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:

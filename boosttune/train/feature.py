@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import typing
 from collections.abc import Callable, Sequence
 
 import torch
@@ -36,10 +37,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from boosttune.config import FeatureConfig, SSMInitConfig
+from boosttune.config import FeatureConfig, FeatureLoss, SSMInitConfig
 from boosttune.core.feature_head import FC_ATTR, new_fc, pair_inputs, second_step
 from boosttune.serving.runner import cache_keyword
-from boosttune.train.distill import Sample
+from boosttune.train.distill import Sample, total_variation
 from boosttune.train.ssm_init import derive_ssm
 
 
@@ -89,24 +90,20 @@ def _batches(lengths: Sequence[int], batch_tokens: int, gen: torch.Generator) ->
     return [batches[i] for i in perm]
 
 
-LOSSES = ("kl", "ce", "tv", "kl+tv")
+LOSSES = typing.get_args(FeatureLoss)
 """``feature.loss``: soft cross-entropy (``kl``), hard cross-entropy on the LLM's argmax (``ce``), total
 variation (``tv``), or the sum of the first and the last."""
 
 
 def classification_loss(pred: Tensor, target: Tensor, kind: str) -> Tensor:
     """(C,) per-pair loss of (C, K) head logits ``pred`` against (C, K) LLM probabilities ``target``."""
-    logq = torch.log_softmax(pred, dim=-1)
-    out = torch.zeros(pred.shape[0], device=pred.device)
-    if kind in ("kl", "kl+tv"):
-        out = out - (target * logq).sum(-1)
-    if kind == "ce":
-        out = out - logq.gather(-1, target.argmax(-1, keepdim=True))[:, 0]
-    if kind in ("tv", "kl+tv"):
-        out = out + 1.0 - torch.minimum(target, logq.exp()).sum(-1)
     if kind not in LOSSES:
         raise ValueError(f"feature.loss must be one of {LOSSES}, got {kind!r}")
-    return out
+    logq = torch.log_softmax(pred, dim=-1)
+    if kind == "ce":
+        return -logq.gather(-1, target.argmax(-1, keepdim=True))[:, 0]
+    soft = -(target * logq).sum(-1) if kind != "tv" else 0.0
+    return soft + (total_variation(target, logq.exp()) if kind != "kl" else 0.0)
 
 
 def head_losses(
@@ -248,10 +245,9 @@ def train_head(
 
 
 @torch.no_grad()
-def evaluate_head(head: PreTrainedModel, samples: Sequence[Sample], feats: Sequence[Tensor], rows: Tensor,
-                  loss: str = "kl") -> dict:
-    """Held-out losses (``ce``: the classification loss ``loss``) and top-1 agreement with the LLM over
-    the draft vocabulary: at depth 1 from the
+def evaluate_head(head: PreTrainedModel, samples: Sequence[Sample], feats: Sequence[Tensor], rows: Tensor) -> dict:
+    """Held-out losses (``ce``: the soft cross-entropy, whatever ``feature.loss`` trained, so that runs
+    compare) and top-1 agreement with the LLM over the draft vocabulary: at depth 1 from the
     LLM's features (``reg``, ``ce``, ``top1``), at depth 2 from the head's own (``reg2``, ``ce2``,
     ``top1_2``; whether or not it trained for depth 2)."""
     was = head.training
@@ -262,7 +258,7 @@ def evaluate_head(head: PreTrainedModel, samples: Sequence[Sample], feats: Seque
         if len(s.ids) - s.prompt_len < 2:
             continue
         second = len(s.ids) - s.prompt_len >= 3  # depth 2 needs a second continuation token to guess
-        losses = head_losses(head, [s], [f], rows, 0.0, depth2=second, loss=loss)
+        losses = head_losses(head, [s], [f], rows, 0.0, depth2=second)
         for k, v in losses.items():
             out[k] += float(v)
         n += 1
