@@ -5,12 +5,12 @@ build their engines here, so one bundle gives the same drafters, default trees, 
 learned scheduler whichever command loads it (``tests/test_scheduler_train.py`` runs generate, serve
 and bench on one bundle and compares what they assembled).
 
-Drafters are named: SSMs by their bundle or run names (``ssm_names`` when given without names), the
-prompt-lookup drafter ``LOOKUP_NAME``. A bundle with a learned scheduler (``scheduler/policy.py``)
-serves the drafters it was trained to choose among (its SSMs and, if it learned to use it, prompt
-lookup) and plans every request; without one (or with ``use_scheduler=False``) every request drafts
-with all SSMs on the bundle's tree and, if the bundle was exported with ``--prompt-lookup N``, prompt
-lookup.
+Drafters are named (SSMs by their bundle or run names, ``ssm_names`` when given without names; the
+prompt-lookup drafter ``LOOKUP_NAME``) and built by their kind (``serving/kinds.py``), never by what a
+model looks like. A bundle with a learned scheduler (``scheduler/policy.py``) serves the drafters it
+was trained to choose among (its models and, if it learned to use it, prompt lookup) and plans every
+request; without one (or with ``use_scheduler=False``) every request drafts with every drafter the
+manifest lists, each on its own tree.
 """
 
 from __future__ import annotations
@@ -22,18 +22,17 @@ from pathlib import Path
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from boosttune.core.feature_head import is_feature_head
 from boosttune.core.models import LoadedModel, load_llm_and_ssms
 from boosttune.core.rundir import SCHEDULER_FILE, ssm_name
 from boosttune.scheduler.policy import Scheduler
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.bundle import LoadedBundle, load_bundle
 from boosttune.serving.draft_vocab import ranking_for
-from boosttune.serving.drafter import Drafter, SSMDrafter
+from boosttune.serving.drafter import Drafter
 from boosttune.serving.engine import GenerationResult, Plan, SpeculativeEngine, TokenCallback
-from boosttune.serving.feature_drafter import FeatureDrafter
-from boosttune.serving.lean import drafter_runner, llm_runner
-from boosttune.serving.lookup import LOOKUP_NAME, PromptLookupDrafter, lookup_tree
+from boosttune.serving.kinds import PromptLookupKind, SSMKind, kind
+from boosttune.serving.lean import llm_runner
+from boosttune.serving.lookup import LOOKUP_NAME, lookup_tree
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
 
@@ -45,14 +44,14 @@ class Served:
     Attributes:
         engine: the engine; its default plan is what a request drafts when no scheduler plans it.
         llm: the LLM, with its tokenizer.
-        ssms: the SSMs by drafter name.
+        models: the drafters' models by drafter name.
         ranking: the draft vocabulary ranking the SSMs were given (None: none).
         scheduler: the learned scheduler (None: every request takes the engine's default plan).
     """
 
     engine: SpeculativeEngine
     llm: LoadedModel
-    ssms: dict[str, LoadedModel]
+    models: dict[str, LoadedModel]
     ranking: Tensor | None = None
     scheduler: Scheduler | None = None
 
@@ -78,31 +77,36 @@ def ssm_names(n: int) -> list[str]:
 
 
 def engine_from_models(
-    llm: PreTrainedModel, ssms: Mapping[str, PreTrainedModel] | Sequence[PreTrainedModel], tree: TreeConfig,
-    ranking: Tensor | None = None, lookup: int = 0,
+    llm: PreTrainedModel, ssms: Mapping[str, PreTrainedModel] | Sequence[PreTrainedModel],
+    tree: TreeConfig | Mapping[str, TreeConfig], ranking: Tensor | None = None, lookup: int = 0,
+    kinds: Mapping[str, str] | None = None,
 ) -> SpeculativeEngine:
-    """An engine over ``llm`` whose SSMs all draft ``tree`` by default.
+    """An engine over ``llm`` with a drafter per model, each built by its kind (``serving/kinds.py``).
 
     Args:
         llm: the LLM.
-        ssms: the SSMs by name (a sequence is named ``ssm_names``), in merge order.
-        tree: every SSM's default tree.
+        ssms: the drafters' models by name (a sequence is named ``ssm_names``), in merge order.
+        tree: every drafter's default tree, or each one's by name.
         ranking: the draft vocabulary ranking (``draft_vocab.py``), needed by trees with
             ``draft_vocab`` > 0.
         lookup: > 0 adds the prompt-lookup drafter (``LOOKUP_NAME``, ``lookup.py``) after the
-            SSMs, proposing up to that many tokens by default.
+            others, proposing up to that many tokens by default.
+        kinds: each model's kind by name (absent: "ssm").
     """
     named = dict(ssms) if isinstance(ssms, Mapping) else dict(zip(ssm_names(len(ssms)), ssms, strict=True))
     if LOOKUP_NAME in named:
         raise ValueError(f"an SSM may not be named {LOOKUP_NAME!r}: that name is the prompt-lookup drafter's")
+    kinds = dict(kinds or {})
+    unknown = set(kinds) - set(named)
+    if unknown:
+        raise ValueError(f"kinds name drafters {sorted(unknown)} that are not among the models {list(named)}")
     v = llm.get_output_embeddings().weight.shape[0]
     drafters: dict[str, Drafter] = {
-        name: (FeatureDrafter if is_feature_head(m) else SSMDrafter)(drafter_runner(m), vocab_size=v, ranking=ranking)
-        for name, m in named.items()
+        name: kind(kinds.get(name, SSMKind.name)).drafter(m, v, ranking) for name, m in named.items()
     }
-    trees = dict.fromkeys(named, tree)
+    trees = {name: tree[name] if isinstance(tree, Mapping) else tree for name in named}
     if lookup:
-        drafters[LOOKUP_NAME] = PromptLookupDrafter(vocab_size=v)
+        drafters[LOOKUP_NAME] = kind(PromptLookupKind.name).drafter(None, v, None)
         trees[LOOKUP_NAME] = lookup_tree(lookup)
     return SpeculativeEngine(llm_runner(llm), drafters, Plan(trees))
 
@@ -111,21 +115,23 @@ def from_refs(
     llm: str, ssms: Sequence[str], tree: TreeConfig, *, dtype: str = "fp32", ssm_dtype: str | None = None,
     draft_ranking: str | None = None, lookup: int = 0,
 ) -> Served:
-    """Models named on the command line (``default``, a directory or a hub id), the SSMs as ssm-1 ..;
-    ``draft_ranking``: the ranking for ``tree.draft_vocab`` > 0 (None: found next to the first SSM)."""
+    """Models named on the command line (``default``, a directory or a hub id), the SSMs as ssm-1 ..,
+    each of the kind its directory declares; ``draft_ranking``: the ranking for ``tree.draft_vocab`` > 0
+    (None: found next to the first SSM)."""
     ranking = ranking_for(tree.draft_vocab, draft_ranking, ssms)  # before any model loads
     loaded_llm, loaded = load_llm_and_ssms(llm, list(ssms), dtype, ssm_dtype or dtype)
     named = dict(zip(ssm_names(len(loaded)), loaded, strict=True))
-    engine = engine_from_models(loaded_llm.model, {n: s.model for n, s in named.items()}, tree, ranking, lookup)
+    engine = engine_from_models(loaded_llm.model, {n: s.model for n, s in named.items()}, tree, ranking, lookup,
+                                kinds={n: s.kind for n, s in named.items()})
     return Served(engine, loaded_llm, named, ranking)
 
 
 def load_scheduler(bundle: LoadedBundle) -> Scheduler | None:
-    """The bundle's learned scheduler, checked against its SSMs; None when it has none."""
+    """The bundle's learned scheduler, checked against its drafters; None when it has none."""
     if bundle.scheduler_dir is None or not (bundle.scheduler_dir / SCHEDULER_FILE).is_file():
         return None
     scheduler = Scheduler.load(bundle.scheduler_dir / SCHEDULER_FILE)
-    scheduler.check_drafters(bundle.ssm_names)
+    scheduler.check_drafters(bundle.model_names)
     return scheduler
 
 
@@ -133,14 +139,14 @@ def from_bundle(
     bundle: LoadedBundle, *, use_scheduler: bool = True, tree: TreeConfig | None = None, lookup: int | None = None,
     ranking: Tensor | None = None,
 ) -> Served:
-    """What a bundle serves: its SSMs on its tree, its draft vocabulary, and its learned scheduler
-    (unless ``use_scheduler`` is False) with the drafters it was trained for; else its prompt-lookup
-    default (``export --prompt-lookup``).
+    """What a bundle serves: each drafter (built by its kind) on its own tree, its draft vocabulary
+    ranking, and its learned scheduler (unless ``use_scheduler`` is False) with the drafters it was
+    trained for; without one, every drafter the manifest lists, prompt lookup included.
 
     Args:
         bundle: a loaded bundle.
         use_scheduler: plan every request with the bundle's learned scheduler, if it has one.
-        tree: the SSMs' tree instead of the bundle's (only where no scheduler decides).
+        tree: every model drafter's tree instead of its own (only where no scheduler decides).
         lookup: the prompt-lookup chain length instead of the bundle's (only where no scheduler decides).
         ranking: the draft vocabulary ranking instead of the bundle's.
     """
@@ -148,18 +154,20 @@ def from_bundle(
     if scheduler is not None and (tree is not None or lookup is not None):
         raise ValueError("the bundle's learned scheduler chooses every request's drafters and trees; pass "
                          "--no-scheduler to set the tree or prompt lookup yourself")
-    tree = tree or bundle.tree
+    entries = bundle.manifest.models
+    trees = {d.name: tree or d.tree for d in entries}
     ranking = bundle.ranking if ranking is None else ranking
     if scheduler is not None:
         lookup = scheduler.lookup_length
     elif lookup is None:
         lookup = bundle.manifest.prompt_lookup
-    draft_vocab = max(tree.draft_vocab, scheduler.draft_vocab if scheduler is not None else 0)
-    if draft_vocab and ranking is None:
-        raise ValueError(f"--draft-vocab {draft_vocab}: this bundle has no token ranking; pass --draft-ranking "
+    needs = [*(t.draft_vocab for t in trees.values()), scheduler.draft_vocab if scheduler is not None else 0]
+    if any(needs) and ranking is None:
+        raise ValueError(f"--draft-vocab {max(needs)}: this bundle has no token ranking; pass --draft-ranking "
                          "RUN_DIR (its training run) or re-export it")
-    named = dict(zip(bundle.ssm_names, bundle.ssms, strict=True))
-    engine = engine_from_models(bundle.llm.model, {n: s.model for n, s in named.items()}, tree, ranking, lookup)
+    named = {d.name: bundle.models[d.name] for d in entries}
+    engine = engine_from_models(bundle.llm.model, {n: s.model for n, s in named.items()}, trees, ranking, lookup,
+                                kinds={d.name: d.kind for d in entries})
     return Served(engine, bundle.llm, named, ranking, scheduler)
 
 
@@ -193,5 +201,6 @@ def load(
     loaded = load_bundle(bundle, llm=llm, dtype=dtype, ssm_dtype=ssm_dtype or dtype)
     ranking = None
     if draft_ranking is not None:
-        ranking = ranking_for((tree or loaded.tree).draft_vocab, draft_ranking, [])
+        needs = [tree.draft_vocab] if tree is not None else [d.tree.draft_vocab for d in loaded.manifest.models]
+        ranking = ranking_for(max(needs), draft_ranking, [])
     return from_bundle(loaded, use_scheduler=use_scheduler, tree=tree, lookup=lookup, ranking=ranking)

@@ -232,7 +232,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         bundle=cfg.bundle, llm=cfg.llm, ssms=cfg.ssms, dtype=cfg.dtype, ssm_dtype=cfg.ssm_dtype, tree=cfg.tree,
         draft_ranking=cfg.draft_ranking, lookup=cfg.prompt_lookup, use_scheduler=cfg.use_scheduler,
     )
-    llm, ssms = served.llm, list(served.ssms.values())
+    llm, ssms = served.llm, list(served.models.values())
     tok = llm.tokenizer
     eos = eos_token_ids(llm)
     stop = StopCriteria(max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos)
@@ -334,10 +334,10 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, serv
         "dtype": cfg.dtype,
         "ssm_dtype": cfg.ssm_dtype or cfg.dtype,
         "llm": served.llm.ref,
-        "ssms": list(served.ssms) if cfg.bundle is not None else cfg.ssms,
+        "ssms": list(served.models) if cfg.bundle is not None else cfg.ssms,
         "bundle": cfg.bundle,
         "scheduler": served.scheduler is not None,
-        "tree": asdict(next((served.engine.plan.trees[n] for n in served.ssms), cfg.tree or TreeConfig())),
+        "tree": asdict(next((served.engine.plan.trees[n] for n in served.models), cfg.tree or TreeConfig())),
         "plan": {name: asdict(tree) for name, tree in served.engine.plan.trees.items()},
         # what the requests drafted with, by how many questions (the learned scheduler's choices)
         "plans": dict(Counter(r.plan.label for r in ours if r.plan is not None).most_common()),

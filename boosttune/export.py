@@ -20,30 +20,29 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from boosttune.core.feature_head import FEATURE_FILE
 from boosttune.core.files import is_complete, sha256_file
 from boosttune.core.rundir import FEATURE_NAME, RunDir
 from boosttune.export_common import atomic_dir, check_out, tree_bytes, weight_files
 from boosttune.scheduler.persist import SchedulerFileError
 from boosttune.scheduler.policy import Scheduler
+from boosttune.serving import kinds
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.bundle import llm_content_hash
-from boosttune.serving.lookup import LOOKUP_NAME
+from boosttune.serving.lookup import LOOKUP_NAME, lookup_tree
 from boosttune.serving.manifest import (
     BUNDLE_FORMAT,
     SCHEDULER_DIR,
     SSMS_DIR,
     TOKENIZER_DIR,
     BundleError,
+    DrafterEntry,
     FileEntry,
     LLMEntry,
     Manifest,
-    SSMEntry,
 )
 
-# Per-SSM files carried besides the weights; anything else in an SSM directory (tokenizer files,
-# the completion marker) is either carried once for all or irrelevant to serving.
-_SSM_CONFIG_FILES = ("config.json", "generation_config.json", FEATURE_FILE)
+# Each drafter's kind says which files of its directory a bundle carries (serving/kinds.py); the rest
+# (tokenizer files, the completion marker) is either carried once for all or irrelevant to serving.
 _STATS = "stats.json"
 _PROFILE = "acceptance_profile.json"
 
@@ -129,8 +128,9 @@ def _tree(report: dict, run: RunDir) -> TreeConfig:
         raise ValueError(f"{run.report_path}: field 'tree' is not a valid tree configuration: {e}") from None
 
 
-def _copy_ssm(src: Path, dest: Path, tokenizer_vocab: dict[str, int]) -> tuple[list[str], str | None]:
-    """Copy one SSM's config, safetensors weights and stats; returns (weight names, profile name)."""
+def _copy_ssm(src: Path, dest: Path, tokenizer_vocab: dict[str, int], kind: kinds.DrafterKind) -> tuple[list[str], str | None]:
+    """Copy the files one drafter's kind ships (configs, safetensors weights, its own files) and its
+    stats; returns (weight names, profile name)."""
     from transformers import AutoTokenizer
 
     weights = weight_files(src)
@@ -148,7 +148,11 @@ def _copy_ssm(src: Path, dest: Path, tokenizer_vocab: dict[str, int]) -> tuple[l
         if vocab != tokenizer_vocab:
             raise ValueError(f"SSM {src} has a different tokenizer from the LLM's; SSMs must use the LLM's tokenizer")
     dest.mkdir(parents=True)
-    for name in [*(n for n in _SSM_CONFIG_FILES if (src / n).is_file()), *weights, _STATS]:
+    try:
+        kind.check(src)
+    except ValueError as e:
+        raise ValueError(f"SSM {src}: {e}") from None
+    for name in dict.fromkeys([*kind.ships(src), _STATS]):
         shutil.copyfile(src / name, dest / name)
     try:
         stats = json.loads((src / _STATS).read_text())
@@ -244,8 +248,10 @@ def export_bundle(
             raise ValueError(f"--draft-vocab: {e}") from None
     llm_dir = run.llm_dir()
     ranking = run.draft_vocab_path if run.draft_vocab_path.is_file() else None
-    if tree.draft_vocab and ranking is None:
-        raise ValueError(f"--draft-vocab {tree.draft_vocab}: {run} has no teacher outputs to rank tokens by "
+    need = max([tree.draft_vocab] + [kinds.kind(kinds.directory_kind(d)).trained_tree(d, tree).draft_vocab
+                                     for d in ssm_dirs if draft_vocab is None])
+    if need and ranking is None:
+        raise ValueError(f"--draft-vocab {need}: {run} has no teacher outputs to rank tokens by "
                          f"(no {run.draft_vocab_path.name}); export with --draft-vocab 0")
     try:
         llm_hash, llm_file_hashes = llm_content_hash(llm_dir)
@@ -256,16 +262,21 @@ def export_bundle(
         tokenizer = AutoTokenizer.from_pretrained(llm_dir)
         tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
         vocab = tokenizer.get_vocab()
-        ssms = []
+        drafters = []
         for src in ssm_dirs:
             stage = stages.get(str(src), {})
             rel = f"{SSMS_DIR}/{src.name}"
-            weights, profile = _copy_ssm(src, tmp / rel, vocab)
-            ssms.append(SSMEntry(
-                name=src.name, stage=int(stage.get("stage", len(ssms) + 1)), dir=rel, config=f"{rel}/config.json",
-                weights=[f"{rel}/{w}" for w in weights], stats=f"{rel}/{_STATS}",
+            kind = kinds.kind(kinds.directory_kind(src))
+            weights, profile = _copy_ssm(src, tmp / rel, vocab, kind)
+            drafters.append(DrafterEntry(
+                name=src.name, kind=kind.name, stage=int(stage.get("stage", len(drafters) + 1)),
+                tree=kind.trained_tree(src, tree) if draft_vocab is None else tree, dir=rel,
+                config=f"{rel}/config.json", weights=[f"{rel}/{w}" for w in weights], stats=f"{rel}/{_STATS}",
                 acceptance_profile=f"{rel}/{profile}" if profile else None, report=stage,
             ))
+        if prompt_lookup:
+            drafters.append(DrafterEntry(name=LOOKUP_NAME, kind=kinds.PromptLookupKind.name, stage=0,
+                                         tree=lookup_tree(int(prompt_lookup))))
         if ranking is not None:
             shutil.copyfile(ranking, tmp / ranking.name)
         scheduler_files: list[str] = []
@@ -280,13 +291,11 @@ def export_bundle(
             llm=LLMEntry(ref=llm["ref"], path=str(llm_dir.resolve()), dtype=str(llm.get("dtype", "fp32")),
                          sha256=llm_hash, files=llm_file_hashes),
             tokenizer=TOKENIZER_DIR,
-            ssms=ssms,
+            drafters=drafters,
             scheduler_dir=SCHEDULER_DIR if run.scheduler_dir.is_dir() else None,
             scheduler_files=scheduler_files,
-            tree=tree,
             files=_file_table(tmp),
             draft_vocab=ranking.name if ranking is not None else None,
-            prompt_lookup=int(prompt_lookup),
         )
         manifest.write(tmp)  # last: a bundle without it is refused
     return ExportResult(bundle=out, manifest=manifest, total_bytes=tree_bytes(out), choice=choice)

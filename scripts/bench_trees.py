@@ -95,9 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     llm, ssms = load_llm_and_ssms(args.llm, args.ssm, dtype, ssm_dtype)
-    drafters = [s.model for s in ssms]  # named ssm-1 .. as runs and bundles name them
+    drafters = {f"ssm-{k}": s.model for k, s in enumerate(ssms, 1)}  # as runs and bundles name them
+    kinds = {f"ssm-{k}": s.kind for k, s in enumerate(ssms, 1)}
     engines = {
-        name: engine_from_models(llm.model, drafters if widths else [], tree_of(widths, args.draft_vocab), ranking, look)
+        name: engine_from_models(llm.model, drafters if widths else {}, tree_of(widths, args.draft_vocab), ranking,
+                                 look, kinds=kinds if widths else None)
         for name, widths, look in shapes
     }
     prompts = read_prompts(args.questions)[: args.limit or None]

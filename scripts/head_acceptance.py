@@ -33,7 +33,7 @@ import argparse
 
 import torch
 
-from boosttune.core.feature_head import is_feature_head, teacher_forced_ranks
+from boosttune.core.feature_head import teacher_forced_ranks
 from boosttune.core.models import eos_token_ids, load_llm_and_ssms, model_vocab_size
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.core.ranks import NOT_DRAFTABLE
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         first = any_ = n = steps = hit = both = steps2 = 0
         for prompt, tokens, feats in answers:
             if tokens and len(prompt) >= 2:  # the first guess reads the token before the last
-                if is_feature_head(h.model):
+                if h.kind == "feature":  # the kind its directory declares (core/kind_file.py)
                     one, some, deep = head_hits(h.model, feats, list(prompt) + list(tokens), len(prompt), rows,
                                                 args.top, args.second)
                 else:

@@ -5,7 +5,8 @@ A bundle is written by ``boosttune export`` (``boosttune/export.py``) from a tra
     BUNDLE/
       manifest.json                 what is here (format below); written last
       tokenizer/                    the LLM's tokenizer, once for every model
-      ssms/ssm-K/                   config.json, model*.safetensors, stats.json, acceptance_profile.json
+      ssms/NAME/                    each drafter with a model: config.json, model*.safetensors, stats.json,
+                                    acceptance_profile.json, and its kind's own files (serving/kinds.py)
       scheduler/                    the run's learned scheduler, copied file for file (optional)
       draft_vocab.json              the draft vocabulary ranking (serving/draft_vocab.py; optional)
 
@@ -16,8 +17,9 @@ safetensors weight files (:func:`llm_content_hash`).
 
 Loading (:func:`load_bundle`) checks, before any weight is read: the manifest (at most 1 MiB) parses,
 its format is one this code reads, every path stays inside the bundle, every listed file is there
-with its size and sha256, no unlisted file or link is there, each SSM's config and safetensors header
-parse, and the LLM that was found hashes to the manifest's hash.
+with its size and sha256, no unlisted file or link is there, each drafter's kind is registered and
+finds its files, each config and safetensors header parses, and the LLM that was found hashes to the
+manifest's hash.
 Each refusal is a :class:`BundleError` naming the file and the fix. Weights load from safetensors
 only (``use_safetensors=True``) and the scheduler files are handed over unread: nothing is unpickled.
 """
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 
 from boosttune.core.files import sha256_file
-from boosttune.serving.builders import TreeConfig
+from boosttune.serving import kinds
 from boosttune.serving.manifest import MANIFEST, BundleError, Manifest, read_manifest
 
 # LLM files that define its outputs: hashed at export, checked at load. Tokenizer files are not
@@ -78,11 +80,8 @@ def verify_files(root: Path, manifest: Manifest) -> None:
     """Every listed file present, of the listed size and sha256; nothing unlisted; references listed."""
     listed = manifest.files
     referenced: list[tuple[str, str]] = [(manifest.tokenizer, "tokenizer")]
-    for s in manifest.ssms:
-        referenced += [(s.config, f"{s.name} config"), (s.stats, f"{s.name} stats")]
-        referenced += [(w, f"{s.name} weights") for w in s.weights]
-        if s.acceptance_profile:
-            referenced.append((s.acceptance_profile, f"{s.name} acceptance profile"))
+    for d in manifest.drafters:
+        referenced += d.files()
     referenced += [(f, "scheduler") for f in manifest.scheduler_files]
     if manifest.draft_vocab is not None:
         referenced.append((manifest.draft_vocab, "draft vocabulary ranking"))
@@ -122,23 +121,38 @@ def verify_files(root: Path, manifest: Manifest) -> None:
             raise BundleError(f"bundle file {rel} is not listed in {MANIFEST}; remove it or re-export the bundle")
 
 
-def verify_ssm_files(root: Path, manifest: Manifest) -> None:
-    """Each SSM's config.json is a model config and each safetensors header parses (hashes cannot tell:
-    a manifest rewritten together with a file agrees with it). Reads headers, not weights."""
+def verify_drafter_files(root: Path, manifest: Manifest) -> None:
+    """Each drafter's kind is registered and finds what it needs in its directory; each config.json is
+    a model config and each safetensors header parses (hashes cannot tell: a manifest rewritten
+    together with a file agrees with it). Reads headers, not weights."""
     from safetensors import SafetensorError, safe_open
     from transformers import AutoConfig
 
-    for s in manifest.ssms:
-        config = _read_json(root / s.config, s.config)
-        if not isinstance(config, dict):
-            raise BundleError(f"bundle file {s.config} must hold a JSON object (a model config); re-export the bundle")
+    for d in manifest.drafters:
         try:
-            AutoConfig.from_pretrained(root / s.dir)
+            kind = kinds.kind(d.kind)
+        except ValueError as e:
+            raise BundleError(f"{MANIFEST}: drafter {d.name!r}: {e}; upgrade boosttune or register the kind") from None
+        if kind.has_model != (d.dir is not None):
+            need = "needs a model directory" if kind.has_model else "has no model directory"
+            raise BundleError(f"{MANIFEST}: drafter {d.name!r} of kind {d.kind!r} {need}; re-export the bundle")
+        if d.dir is None:
+            continue
+        try:
+            kind.check(root / d.dir)
+        except ValueError as e:
+            raise BundleError(f"bundle directory {d.dir}: {e}; re-export the bundle") from None
+        assert d.config is not None  # parse_manifest requires it of entries with a dir
+        config = _read_json(root / d.config, d.config)
+        if not isinstance(config, dict):
+            raise BundleError(f"bundle file {d.config} must hold a JSON object (a model config); re-export the bundle")
+        try:
+            AutoConfig.from_pretrained(root / d.dir)
         # transformers reports bad fields as TypeError, ValueError or huggingface_hub's
         # StrictDataclassError (an Exception subclass only), depending on the field
         except Exception as e:  # any failure here is the file's: re-raised as one naming it
-            raise BundleError(f"bundle file {s.config} is not a valid model config ({e}); re-export the bundle") from None
-        for w in s.weights:
+            raise BundleError(f"bundle file {d.config} is not a valid model config ({e}); re-export the bundle") from None
+        for w in d.weights:
             if not w.endswith(".safetensors"):
                 continue
             try:
@@ -215,7 +229,7 @@ def verify_bundle(bundle: str | Path, llm: str | None = None) -> VerifiedBundle:
     root = Path(bundle)
     manifest = read_manifest(root)
     verify_files(root, manifest)
-    verify_ssm_files(root, manifest)
+    verify_drafter_files(root, manifest)
     llm_dir = resolve_llm_dir(manifest, llm)
     verify_llm(llm_dir, manifest)
     return VerifiedBundle(root=root, manifest=manifest, llm_dir=llm_dir)
@@ -231,45 +245,32 @@ class LoadedBundle:
 
     Attributes:
         root: the bundle directory.
-        manifest: its parsed manifest.
+        manifest: its parsed manifest (each drafter's kind and tree: ``manifest.drafters``).
         llm: the LLM, with the bundle's tokenizer.
-        ssms: the SSMs in stage order, sharing that tokenizer.
-        tree: the tree each SSM drafts by default.
+        models: the drafters' models by drafter name, for kinds that have one (None otherwise), in
+            the manifest's order; they share the LLM's tokenizer.
         scheduler_dir: the bundle's scheduler directory (files verified, not read) or None.
         ranking: the draft vocabulary ranking (V,) or None when the bundle has none.
-        acceptance_profiles: each SSM's acceptance profile (None where training wrote none).
+        acceptance_profiles: each drafter's acceptance profile by name (None where training wrote none).
     """
 
     root: Path
     manifest: Manifest
     llm: Any
-    ssms: list[Any]
-    tree: TreeConfig
+    models: dict[str, Any]
     scheduler_dir: Path | None
-    acceptance_profiles: list[dict | None] = field(default_factory=list)
+    acceptance_profiles: dict[str, dict | None] = field(default_factory=dict)
     ranking: torch.Tensor | None = None
 
     @property
-    def ssm_names(self) -> list[str]:
-        return [s.name for s in self.manifest.ssms]
+    def model_names(self) -> list[str]:
+        """The names of the drafters that have a model, in order (what a learned scheduler chooses among)."""
+        return [d.name for d in self.manifest.models]
 
     @property
     def context_length(self) -> int:
         """Positions the LLM was built for (``max_position_embeddings``; 2048 when absent)."""
         return int(getattr(self.llm.model.config, "max_position_embeddings", None) or 2048)
-
-
-def _load_lm(directory: Path, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    from boosttune.core.feature_head import attach_fc, is_feature_dir
-
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, use_safetensors=True)
-    if is_feature_dir(directory):  # a feature head: its projection too
-        attach_fc(model, directory)
-    model.eval()
-    model.requires_grad_(False)
-    return model
 
 
 def load_bundle(
@@ -278,13 +279,14 @@ def load_bundle(
     dtype: str | torch.dtype = "fp32",
     ssm_dtype: str | torch.dtype | None = None,
 ) -> LoadedBundle:
-    """Validate a bundle (:func:`verify_bundle`), then load its LLM, SSMs and tokenizer.
+    """Validate a bundle (:func:`verify_bundle`), then load its LLM, its drafters' models (each through
+    its kind) and its tokenizer.
 
     Args:
         bundle: the bundle directory.
         llm: where the LLM is, overriding the manifest's reference (its hash is still checked).
-        dtype: dtype of the LLM, and of the SSMs unless ``ssm_dtype`` is given.
-        ssm_dtype: dtype of the SSMs (the output depends only on the LLM's).
+        dtype: dtype of the LLM, and of the drafters unless ``ssm_dtype`` is given.
+        ssm_dtype: dtype of the drafters (the output depends only on the LLM's).
     """
     from transformers import AutoTokenizer
 
@@ -295,24 +297,28 @@ def load_bundle(
     llm_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     ssm_torch_dtype = llm_dtype if ssm_dtype is None else (parse_dtype(ssm_dtype) if isinstance(ssm_dtype, str) else ssm_dtype)
     tokenizer = AutoTokenizer.from_pretrained(root / manifest.tokenizer)
-    llm_model = _load_lm(verified.llm_dir, llm_dtype)
+    llm_model = kinds.load_causal_lm(verified.llm_dir, llm_dtype)
     gen = llm_model.generation_config
     if gen is not None and gen.pad_token_id is None:
         eos = gen.eos_token_id if gen.eos_token_id is not None else tokenizer.eos_token_id
         gen.pad_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
     loaded_llm = LoadedModel(model=llm_model, tokenizer=tokenizer, ref=manifest.llm.ref, path=str(verified.llm_dir))
-    ssms = []
-    for entry in manifest.ssms:
+    models: dict[str, Any] = {}
+    for entry in manifest.drafters:
+        if entry.dir is None:
+            models[entry.name] = None
+            continue
         try:
-            model = _load_lm(root / entry.dir, ssm_torch_dtype)
+            model = kinds.kind(entry.kind).load(root / entry.dir, ssm_torch_dtype)
         except (OSError, ValueError, RuntimeError, TypeError) as e:  # e.g. weights that do not fit the config
-            raise BundleError(f"bundle directory {entry.dir}: the SSM does not load ({e}); re-export the bundle") from None
+            raise BundleError(f"bundle directory {entry.dir}: the {entry.kind} drafter does not load ({e}); "
+                              "re-export the bundle") from None
         check_same_vocabulary(tokenizer, tokenizer, model_vocab_size(llm_model), model_vocab_size(model), entry.name)
-        ssms.append(LoadedModel(model=model, tokenizer=tokenizer, ref=entry.name, path=str(root / entry.dir)))
-    profiles = [
-        _read_json(root / s.acceptance_profile, s.acceptance_profile) if s.acceptance_profile else None
-        for s in manifest.ssms
-    ]
+        models[entry.name] = LoadedModel(model=model, tokenizer=tokenizer, ref=entry.name, path=str(root / entry.dir))
+    profiles = {
+        d.name: _read_json(root / d.acceptance_profile, d.acceptance_profile) if d.acceptance_profile else None
+        for d in manifest.drafters
+    }
     ranking = None
     if manifest.draft_vocab is not None:
         from boosttune.serving.draft_vocab import load_ranking
@@ -322,7 +328,7 @@ def load_bundle(
         except ValueError as e:
             raise BundleError(f"bundle file {manifest.draft_vocab}: {e}; re-export the bundle") from None
     return LoadedBundle(
-        root=root, manifest=manifest, llm=loaded_llm, ssms=ssms, tree=manifest.tree,
+        root=root, manifest=manifest, llm=loaded_llm, models=models,
         scheduler_dir=root / manifest.scheduler_dir if manifest.scheduler_dir else None,
         acceptance_profiles=profiles, ranking=ranking,
     )

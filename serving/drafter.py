@@ -7,6 +7,9 @@ A drafter is told its tree with every ``draft`` call (``TreeConfig``: the engine
 per request) and keeps no configuration of its own. ``replay`` answers, for a finished greedy
 request, what its tree would have had accepted by a step starting at every output position: the
 full-information labels the learned scheduler is trained on (``scheduler/offline/labels.py``).
+Whether a drafter reads the LLM's features is part of the interface (``observes_features``), so the
+engine and the labels never ask what kind of drafter they hold; kinds themselves are named and built in
+one registry (``serving/kinds.py``).
 
 An SSM drafter keeps its own KV cache. Its cache layout during a step is
 ``[committed tokens (T)] [draft nodes it fed, in feed order]``; every node of one depth is fed in
@@ -19,7 +22,7 @@ is fed at the start of the next ``draft``. The committed prefix is never re-run.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -52,11 +55,27 @@ class Replay:
     chain: np.ndarray | None = None
 
 
+Features = Callable[[], Tensor]
+"""On demand, the LLM's (T - 1, H) last hidden states over a finished request's prompt and output
+(every position but the last): what a replay of a drafter that observes features reads. The labels
+compute them with one LLM forward, and only when a drafter calls for them."""
+
+
 class Drafter(Protocol):
     """Proposes a tree rooted at the last committed token, then learns which path was accepted."""
 
     def reset(self) -> None:
         """Forget the previous request (caches)."""
+        ...
+
+    def observes_features(self) -> bool:
+        """Whether this drafter reads the LLM's last hidden states: the engine then runs the prefill
+        through the hidden-state path and hands it every committed position's features (``observe``)."""
+        ...
+
+    def observe(self, features: Tensor) -> None:
+        """The LLM's (n, H) features of the next n committed positions (only called on drafters whose
+        ``observes_features`` is True)."""
         ...
 
     def draft(
@@ -71,9 +90,10 @@ class Drafter(Protocol):
         stopping where the accepted path leaves this drafter's tree."""
         ...
 
-    def replay(self, prompt: Sequence[int], out: Sequence[int], tree: TreeConfig) -> Replay:
+    def replay(self, prompt: Sequence[int], out: Sequence[int], tree: TreeConfig, features: Features) -> Replay:
         """Per output position of a finished greedy request (``prompt`` then ``out``), what a step
-        starting there would have had accepted from a tree of shape ``tree``."""
+        starting there would have had accepted from a tree of shape ``tree``; ``features`` gives the
+        LLM's features over the request, for drafters that read them."""
         ...
 
 
@@ -109,6 +129,12 @@ class SSMDrafter:
     def reset(self) -> None:
         self.runner.reset()
         self._synced = 0
+
+    def observes_features(self) -> bool:
+        return False
+
+    def observe(self, features: Tensor) -> None:
+        raise TypeError(f"{type(self).__name__} does not read the LLM's features")
 
     def _head(self, k: int) -> Tensor | None:
         """(K,) token ids of a draft vocabulary of ``k`` tokens (None for 0: the whole vocabulary)."""
@@ -234,7 +260,7 @@ class SSMDrafter:
         self.runner.keep(self._committed_len, torch.tensor(keep, dtype=torch.long))
         self._synced = self._committed_len + len(keep)
 
-    def replay(self, prompt: Sequence[int], out: Sequence[int], tree: TreeConfig) -> Replay:
+    def replay(self, prompt: Sequence[int], out: Sequence[int], tree: TreeConfig, features: Features | None = None) -> Replay:
         """The tree's node on the true path at level l expands the SSM's top ``w_l`` tokens after the
         true prefix, so the tree holds the true continuation to depth d iff each of its first d tokens
         ranks high enough (``TreePolicy.accepts``); one teacher-forced forward over ``prompt + out``

@@ -212,7 +212,7 @@ class SpeculativeEngine:
         committed = list(prompt_ids)
         prefix = torch.tensor(committed[:-1], dtype=torch.long)
         plan_s = 0.0
-        readers = [d for d in self.drafters.values() if wants_features(d)]
+        readers = [d for d in self.drafters.values() if d.observes_features()]
         if planner is None and not readers:
             if len(committed) > 1:  # prefill all but the pending token
                 self.llm.forward_chain(prefix)
@@ -241,7 +241,7 @@ class SpeculativeEngine:
         gen = sampling.generator(self.llm.device)  # the verifier samples from p on the LLM's device
         names = [name for name in self.drafters if name in plan.trees]
         drafters = [(self.drafters[name], plan.trees[name]) for name in names]
-        readers = [d for d, _ in drafters if wants_features(d)]
+        readers = [d for d, _ in drafters if d.observes_features()]
         records: list[StepRecord] = []
         generated: list[int] = []
         accept_lengths: list[int] = []
@@ -284,12 +284,6 @@ class SpeculativeEngine:
                 step_s = time.perf_counter() - t_step
                 records.append(StepRecord(tree.size, accepts, draft_s, verify_s, step_s))
         return GenerationResult(generated, accept_lengths, 0.0, finish, hits, active=names, records=records)
-
-
-def wants_features(drafter: Drafter) -> bool:
-    """Whether ``drafter`` reads the LLM's last hidden states (a feature head, ``feature_drafter.py``):
-    the engine then hands it those of every committed position through its ``observe``."""
-    return bool(getattr(drafter, "wants_features", False))
 
 
 def _local_path(merged_of_local: Tensor, path: list[int]) -> list[int]:

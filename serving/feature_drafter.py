@@ -24,7 +24,7 @@ from torch import Tensor
 
 from boosttune.core.feature_head import is_feature_head, pair_inputs, teacher_forced_ranks
 from boosttune.serving.builders import TreeConfig
-from boosttune.serving.drafter import Replay, SSMDrafter
+from boosttune.serving.drafter import Features, Replay, SSMDrafter
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.tree import TokenTree
@@ -32,9 +32,6 @@ from boosttune.serving.tree import TokenTree
 
 class FeatureDrafter(SSMDrafter):
     """Drafts a tree depth by depth from the LLM's features (one head forward per depth)."""
-
-    wants_features = True
-    """The engine hands this drafter the LLM's last hidden states (``observe``)."""
 
     def __init__(self, runner: ModelRunner, vocab_size: int | None = None, ranking: Tensor | None = None):
         if not is_feature_head(runner.model):
@@ -48,6 +45,9 @@ class FeatureDrafter(SSMDrafter):
         super().reset()
         self._features = self._features[:0]
         self._node_hidden = {}
+
+    def observes_features(self) -> bool:
+        return True
 
     def observe(self, features: Tensor) -> None:
         """The LLM's (n, H) features of the next n committed positions."""
@@ -94,11 +94,11 @@ class FeatureDrafter(SSMDrafter):
         """Drop every draft node: the accepted ones come back with the LLM's own features."""
         self.runner.crop(self._synced)
 
-    def replay(self, prompt: Sequence[int], out: Sequence[int], tree: TreeConfig, features: Tensor | None = None) -> Replay:
+    def replay(self, prompt: Sequence[int], out: Sequence[int], tree: TreeConfig, features: Features | None = None) -> Replay:
         """What a tree of one or two levels would have had accepted at every output position, from one
         teacher-forced pass of the head over the LLM's ``features`` (its (len(prompt) + len(out) - 1, H)
-        last hidden states over prompt and output; the scheduler's labels compute them with one LLM
-        forward): depth 1 accepts when the output token ranks below ``widths[0]`` among the head's
+        last hidden states over prompt and output, computed on demand; the scheduler's labels compute
+        them with one LLM forward): depth 1 accepts when the output token ranks below ``widths[0]`` among the head's
         guesses after the true prefix, depth 2 when the next one also ranks below ``widths[1]`` among
         those of the node holding it (``teacher_forced_ranks``). This matches the engine up to rounding,
         as an SSM's replay does."""
@@ -109,7 +109,7 @@ class FeatureDrafter(SSMDrafter):
             raise ValueError(f"a feature head's replay takes expansion trees of one or two levels, got {tree.kind} "
                              f"{list(tree.widths)}; label with scheduler.label_depth <= 2")
         second = len(tree.widths) == 2
-        r1, r2 = teacher_forced_ranks(self.runner.model, features.to(self.runner.device, self.runner.model.dtype),
+        r1, r2 = teacher_forced_ranks(self.runner.model, features().to(self.runner.device, self.runner.model.dtype),
                                       [*prompt, *out], len(prompt), self._head(tree.draft_vocab), second)
         accepted = (r1 < tree.widths[0]).long()
         if r2 is not None:

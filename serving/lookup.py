@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from boosttune.serving.builders import TreeConfig
-from boosttune.serving.drafter import Replay
+from boosttune.serving.drafter import Features, Replay
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.tree import TokenTree
 
@@ -122,6 +122,12 @@ class PromptLookupDrafter:
     def reset(self) -> None:
         pass
 
+    def observes_features(self) -> bool:
+        return False
+
+    def observe(self, features: Tensor) -> None:
+        raise TypeError("prompt lookup does not read the LLM's features")
+
     def draft(
         self, committed: Tensor, tree: TreeConfig, sampling: SamplingParams, generator: torch.Generator | None
     ) -> TokenTree:
@@ -148,7 +154,7 @@ class PromptLookupDrafter:
     def accept(self, accepted: list[int]) -> None:
         pass
 
-    def replay(self, prompt: Sequence[int], out: Sequence[int], tree: TreeConfig) -> Replay:
+    def replay(self, prompt: Sequence[int], out: Sequence[int], tree: TreeConfig, features: Features | None = None) -> Replay:
         """Chains of up to the tree's depth at every output position (``lookup_positions``); the
         per-match lengths (``ngram_depths``) are left to the replay, which knows each match's length."""
         return Replay(*lookup_positions(prompt, out, tree.max_depth, self.max_ngram, self.min_ngram))

@@ -1,43 +1,54 @@
 """manifest.json: the one owner of the bundle schema, written by export and parsed at load.
 
-``manifest.json`` (format 1)::
+``manifest.json`` (format 2)::
 
-    {"format": 1, "kind": "boosttune-bundle", "created": ISO time, "source_run": str,
+    {"format": 2, "kind": "boosttune-bundle", "created": ISO time, "source_run": str,
      "versions": {"boosttune": str, "torch": str, "transformers": str, "python": str},
      "llm": {"ref": str, "path": str, "dtype": str, "sha256": str, "files": {name: sha256}},
      "tokenizer": "tokenizer",
-     "ssms": [{"name": "ssm-K", "stage": K, "dir": "ssms/ssm-K", "config": path, "weights": [path],
-               "stats": path, "acceptance_profile": path | null, "report": {the run's stage entry}}],
+     "drafters": [{"name": str, "kind": "ssm" | "feature" | "prompt_lookup" | a registered kind,
+                   "stage": int, "dir": path | null, "config": path | null, "weights": [path],
+                   "stats": path | null, "acceptance_profile": path | null,
+                   "tree": {TreeConfig fields}, "report": {the run's entry for it}}],
      "scheduler": {"dir": "scheduler", "files": [path]} | null,
-     "draft_vocab": "draft_vocab.json" | null,   (absent in older bundles: null)
-     "prompt_lookup": int,                        (prompt-lookup chain length, 0 = off; absent: 0)
-     "tree": {TreeConfig fields},                 (ngram_depths absent in older bundles: ())
+     "draft_vocab": "draft_vocab.json" | null,
      "files": {path: {"sha256": str, "size": int}}}
 
-Every path is relative to the bundle, and every file of the bundle other than the manifest is
-listed under ``files``. :class:`Manifest` is the typed view: ``Manifest.to_json`` writes it (export)
-and :func:`parse_manifest` reads it back field by field, refusing anything malformed with a
-:class:`BundleError` that names the field; ``parse_manifest(m.to_json()) == m``. Manifests written
-before ``draft_vocab``, ``prompt_lookup`` or the tree's ``ngram_depths`` existed still parse (the
-defaults above), so the format stays 1.
+Each drafter names its kind (``serving/kinds.py``, the registry that builds it) and carries its own
+default tree, draft vocabulary included, as its training recorded it: nothing is reconciled at load.
+Kinds with a model have a ``dir`` (config + safetensors weights); prompt lookup has none (its tree's
+depth is its chain length). Every path is relative to the bundle, and every file of the bundle other
+than the manifest is listed under ``files``.
+
+:class:`Manifest` is the typed view: ``Manifest.to_json`` writes it (export) and :func:`parse_manifest`
+reads it back field by field, refusing anything malformed with a :class:`BundleError` that names the
+field; ``parse_manifest(m.to_json()) == m``.
+
+Format 1 (bundles written before drafters had kinds: an ``ssms`` list, one top-level ``tree`` and
+``prompt_lookup``) is migrated on load by :func:`migrate_v1`, explicitly and in one place.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from boosttune.core.files import atomic_write_json
 from boosttune.serving.builders import TreeConfig
+from boosttune.serving.lookup import LOOKUP_NAME, lookup_tree
 
 MANIFEST = "manifest.json"
-BUNDLE_FORMAT = 1
+BUNDLE_FORMAT = 2
 BUNDLE_KIND = "boosttune-bundle"
 TOKENIZER_DIR = "tokenizer"
 SSMS_DIR = "ssms"
 SCHEDULER_DIR = "scheduler"
+LOOKUP_KIND = "prompt_lookup"
+"""Prompt lookup's kind name (``serving/kinds.py`` registers it; the manifest reads its chain length)."""
+FEATURE_MARKER = "feature_head.json"
+"""The file by which format 1 told a feature head from an SSM (``migrate_v1`` only)."""
 MAX_MANIFEST_BYTES = 1 << 20
 """Larger manifests are refused before they are parsed (export writes a few KiB: one line per file)."""
 
@@ -74,33 +85,52 @@ class LLMEntry:
 
 
 @dataclass(frozen=True)
-class SSMEntry:
-    """One SSM of the bundle; paths are relative to the bundle.
+class DrafterEntry:
+    """One drafter of the bundle; paths are relative to the bundle.
 
     Attributes:
-        name: "ssm-K".
-        stage: the boost-tuning stage that trained it.
-        dir: its directory (config + weights; loaded with ``from_pretrained``).
-        config: its config.json.
+        name: how plans, reports and the scheduler name it ("ssm-K", "feature", "prompt-lookup").
+        kind: its registered kind (``serving/kinds.py``).
+        stage: the boost-tuning stage that trained it (0: none).
+        tree: the tree it drafts by default, its draft vocabulary included.
+        dir: its directory (config + weights; None for kinds without a model).
+        config: its config.json (None without a model).
         weights: its safetensors files (and index, when sharded).
-        stats: its training stats (JSON).
+        stats: its training stats (JSON) or None.
         acceptance_profile: its acceptance statistics (JSON) or None when training wrote none.
-        report: the run report's entry for its stage (pool sizes, match rates, losses).
+        report: the run report's entry for it (pool sizes, match rates, losses).
     """
 
     name: str
+    kind: str
     stage: int
-    dir: str
-    config: str
-    weights: list[str]
-    stats: str
-    acceptance_profile: str | None
-    report: dict[str, Any]
+    tree: TreeConfig
+    dir: str | None = None
+    config: str | None = None
+    weights: list[str] = field(default_factory=list)
+    stats: str | None = None
+    acceptance_profile: str | None = None
+    report: dict[str, Any] = field(default_factory=dict)
+
+    def files(self) -> list[tuple[str, str]]:
+        """(path, what) for every file this entry names."""
+        out = [(p, f"{self.name} {what}") for p, what in ((self.config, "config"), (self.stats, "stats"),
+                                                         (self.acceptance_profile, "acceptance profile")) if p]
+        return out + [(w, f"{self.name} weights") for w in self.weights]
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tree"] = _tree_json(self.tree)
+        return d
+
+
+def _tree_json(tree: TreeConfig) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(tree).items()}
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """The typed manifest.json (format 1); see the module docstring for the JSON.
+    """The typed manifest.json (format 2); see the module docstring for the JSON.
 
     Attributes:
         format: ``BUNDLE_FORMAT``.
@@ -109,13 +139,11 @@ class Manifest:
         versions: boosttune, torch, transformers and python versions at export.
         llm: the LLM it was exported against.
         tokenizer: the tokenizer directory.
-        ssms: the SSMs, in stage order.
+        drafters: the drafters, in merge order (boost-tuning stages first).
         scheduler_dir: the learned scheduler's directory (None: no scheduler).
         scheduler_files: its files.
-        tree: the tree each SSM drafts by default.
         files: every file of the bundle but the manifest, by path.
         draft_vocab: the draft vocabulary ranking's path (None: none).
-        prompt_lookup: the default prompt-lookup chain length where no scheduler decides (0: off).
     """
 
     format: int
@@ -124,13 +152,21 @@ class Manifest:
     versions: dict[str, str]
     llm: LLMEntry
     tokenizer: str
-    ssms: list[SSMEntry]
+    drafters: list[DrafterEntry]
     scheduler_dir: str | None
     scheduler_files: list[str]
-    tree: TreeConfig
     files: dict[str, FileEntry]
     draft_vocab: str | None = None
-    prompt_lookup: int = 0
+
+    @property
+    def models(self) -> list[DrafterEntry]:
+        """The drafters that have a model directory, in order."""
+        return [d for d in self.drafters if d.dir is not None]
+
+    @property
+    def prompt_lookup(self) -> int:
+        """Prompt lookup's default chain length (0: the bundle drafts without it)."""
+        return max((d.tree.max_depth for d in self.drafters if d.kind == LOOKUP_KIND), default=0)
 
     def to_json(self) -> dict[str, Any]:
         """The manifest.json object (what :func:`parse_manifest` reads back)."""
@@ -138,9 +174,8 @@ class Manifest:
         return {
             "format": self.format, "kind": BUNDLE_KIND, "created": self.created, "source_run": self.source_run,
             "versions": dict(self.versions), "llm": asdict(self.llm), "tokenizer": self.tokenizer,
-            "ssms": [asdict(s) for s in self.ssms], "scheduler": scheduler, "draft_vocab": self.draft_vocab,
-            "prompt_lookup": self.prompt_lookup,
-            "tree": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.tree).items()},
+            "drafters": [d.to_json() for d in self.drafters], "scheduler": scheduler,
+            "draft_vocab": self.draft_vocab,
             "files": {path: asdict(entry) for path, entry in self.files.items()},
         }
 
@@ -180,16 +215,46 @@ def _rel_path(value: Any, where: str) -> str:
     return value
 
 
+def migrate_v1(data: dict) -> dict:
+    """A format-1 manifest object as format 2: each SSM entry gets its kind (a feature head is the one
+    whose directory lists ``feature_head.json``; format 1 had no other way to say it) and the bundle's
+    one tree; a prompt-lookup default (``prompt_lookup`` > 0) becomes a drafter of its own. Fields are
+    type-checked afterwards, by :func:`parse_manifest`, exactly as in format 2."""
+    out = {k: v for k, v in data.items() if k not in ("ssms", "tree", "prompt_lookup")}
+    files = data.get("files") if isinstance(data.get("files"), dict) else {}
+    tree = data.get("tree")
+    if isinstance(tree, dict):
+        tree = {"ngram_depths": [], **tree}  # absent before per-match lookup lengths existed
+    drafters = []
+    for raw in _field(data, "ssms", list, ""):
+        if isinstance(raw, dict):
+            d = raw.get("dir")
+            feature = isinstance(d, str) and f"{d}/{FEATURE_MARKER}" in files
+            raw = {**raw, "kind": "feature" if feature else "ssm", "tree": tree}
+        drafters.append(raw)
+    lookup = _field(data, "prompt_lookup", int, "", optional=True) or 0
+    if lookup < 0:
+        raise BundleError(f"{_where('prompt_lookup')} must be >= 0 (0 = off), got {lookup}; re-export the bundle")
+    if lookup:
+        drafters.append({"name": LOOKUP_NAME, "kind": LOOKUP_KIND, "stage": 0, "dir": None, "weights": [],
+                         "tree": _tree_json(lookup_tree(lookup))})
+    out["drafters"] = drafters
+    out["format"] = BUNDLE_FORMAT
+    return out
+
+
 def parse_manifest(data: Any) -> Manifest:
-    """Check the manifest's JSON object field by field and return its typed view."""
+    """Check the manifest's JSON object field by field (format 1 migrated first) and return its typed view."""
     if not isinstance(data, dict):
         raise BundleError(f"{MANIFEST} must hold a JSON object, got {type(data).__name__}")
     if data.get("kind", BUNDLE_KIND) != BUNDLE_KIND:
         raise BundleError(f"{MANIFEST}: kind {data.get('kind')!r} is not {BUNDLE_KIND!r}; not a boosttune bundle")
     fmt = data.get("format")
-    if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt != BUNDLE_FORMAT:  # 1.0 is not format 1
+    if isinstance(fmt, int) and not isinstance(fmt, bool) and fmt == 1:
+        data, fmt = migrate_v1(data), BUNDLE_FORMAT
+    if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt != BUNDLE_FORMAT:  # 2.0 is not format 2
         raise BundleError(
-            f"{MANIFEST}: unsupported bundle format {fmt!r}; this boosttune reads format {BUNDLE_FORMAT}. "
+            f"{MANIFEST}: unsupported bundle format {fmt!r}; this boosttune reads formats 1 and {BUNDLE_FORMAT}. "
             "Re-export the run with this boosttune version, or serve it with the version that wrote it"
         )
     files_raw = _field(data, "files", dict, "")
@@ -216,51 +281,64 @@ def parse_manifest(data: Any) -> Manifest:
         dtype=_field(llm_raw, "dtype", str, "llm"), sha256=_field(llm_raw, "sha256", str, "llm"),
         files=dict(llm_files_raw),
     )
-    ssms = [_parse_ssm(s, i) for i, s in enumerate(_field(data, "ssms", list, ""))]
-    if not ssms:
-        raise BundleError(f"{_where('ssms')} is empty; a bundle needs at least one SSM")
+    drafters = [_parse_drafter(d, i) for i, d in enumerate(_field(data, "drafters", list, ""))]
+    if not any(d.dir is not None for d in drafters):
+        raise BundleError(f"{_where('drafters')} has no drafter with a model; a bundle needs at least one")
+    names = [d.name for d in drafters]
+    if len(set(names)) != len(names):
+        raise BundleError(f"{_where('drafters')}: drafter names repeat ({names}); re-export the bundle")
     sched_raw = _field(data, "scheduler", dict, "", optional=True)
     sched_dir, sched_files = None, []
     if sched_raw is not None:
         sched_dir = _rel_path(_field(sched_raw, "dir", str, "scheduler"), "scheduler.dir")
         sched_files = [_rel_path(f, "scheduler.files[]") for f in _field(sched_raw, "files", list, "scheduler")]
-    tree_raw = _field(data, "tree", dict, "")
-    try:
-        tree = TreeConfig(**tree_raw)
-    except (TypeError, ValueError) as e:
-        raise BundleError(f"{_where('tree')} is not a valid tree configuration: {e}") from None
     draft_vocab = _field(data, "draft_vocab", str, "", optional=True)
     draft_vocab = _rel_path(draft_vocab, "draft_vocab") if draft_vocab is not None else None
-    if tree.draft_vocab and draft_vocab is None:
-        raise BundleError(f"{_where('tree.draft_vocab')} is {tree.draft_vocab} but the bundle has no draft_vocab "
-                          "ranking; re-export it")
-    prompt_lookup = _field(data, "prompt_lookup", int, "", optional=True) or 0
-    if prompt_lookup < 0:
-        raise BundleError(f"{_where('prompt_lookup')} must be >= 0 (0 = off), got {prompt_lookup}; re-export the bundle")
+    for i, d in enumerate(drafters):
+        if d.tree.draft_vocab and draft_vocab is None:
+            raise BundleError(f"{_where(f'drafters[{i}].tree.draft_vocab')} is {d.tree.draft_vocab} but the bundle has "
+                              "no draft_vocab ranking; re-export it")
     versions = _field(data, "versions", dict, "", optional=True) or {}
     return Manifest(
         format=fmt, created=str(data.get("created", "")), source_run=str(data.get("source_run", "")),
         versions={str(k): str(v) for k, v in versions.items()}, llm=llm,
-        tokenizer=_rel_path(_field(data, "tokenizer", str, ""), "tokenizer"), ssms=ssms,
-        scheduler_dir=sched_dir, scheduler_files=sched_files, tree=tree, files=files, draft_vocab=draft_vocab,
-        prompt_lookup=prompt_lookup,
+        tokenizer=_rel_path(_field(data, "tokenizer", str, ""), "tokenizer"), drafters=drafters,
+        scheduler_dir=sched_dir, scheduler_files=sched_files, files=files, draft_vocab=draft_vocab,
     )
 
 
-def _parse_ssm(raw: Any, i: int) -> SSMEntry:
-    where = f"ssms[{i}]"
+def _parse_tree(raw: Any, where: str) -> TreeConfig:
+    if not isinstance(raw, dict):
+        raise BundleError(f"{_where(where)} must be an object (a tree configuration); re-export the bundle")
+    try:
+        return TreeConfig(**raw)
+    except (TypeError, ValueError) as e:
+        raise BundleError(f"{_where(where)} is not a valid tree configuration: {e}") from None
+
+
+def _parse_drafter(raw: Any, i: int) -> DrafterEntry:
+    """One drafter entry: its kind's name and its paths (whether the kind is registered, and the files
+    it needs, are checked when the bundle loads: ``bundle.py``)."""
+    where = f"drafters[{i}]"
     if not isinstance(raw, dict):
         raise BundleError(f"{_where(where)} must be an object")
-    weights = [_rel_path(w, f"{where}.weights[]") for w in _field(raw, "weights", list, where)]
-    if not any(w.endswith(".safetensors") for w in weights):
+    kind = _field(raw, "kind", str, where)
+    d = _field(raw, "dir", str, where, optional=True)
+    weights = [_rel_path(w, f"{where}.weights[]") for w in (_field(raw, "weights", list, where, optional=True) or [])]
+    if d is not None and not any(w.endswith(".safetensors") for w in weights):
         raise BundleError(f"{_where(where + '.weights')} lists no .safetensors file")
-    profile = _field(raw, "acceptance_profile", str, where, optional=True)
-    return SSMEntry(
-        name=_field(raw, "name", str, where), stage=_field(raw, "stage", int, where),
-        dir=_rel_path(_field(raw, "dir", str, where), f"{where}.dir"),
-        config=_rel_path(_field(raw, "config", str, where), f"{where}.config"), weights=weights,
-        stats=_rel_path(_field(raw, "stats", str, where), f"{where}.stats"),
-        acceptance_profile=None if profile is None else _rel_path(profile, f"{where}.acceptance_profile"),
+    if d is not None and _field(raw, "config", str, where, optional=True) is None:
+        raise BundleError(f"{_where(where + '.config')} is missing; a drafter with a model needs its config")
+
+    def path(key: str) -> str | None:
+        value = _field(raw, key, str, where, optional=True)
+        return None if value is None else _rel_path(value, f"{where}.{key}")
+
+    return DrafterEntry(
+        name=_field(raw, "name", str, where), kind=kind, stage=_field(raw, "stage", int, where),
+        tree=_parse_tree(_field(raw, "tree", dict, where), f"{where}.tree"),
+        dir=None if d is None else _rel_path(d, f"{where}.dir"), config=path("config"), weights=weights,
+        stats=path("stats"), acceptance_profile=path("acceptance_profile"),
         report=_field(raw, "report", dict, where, optional=True) or {},
     )
 

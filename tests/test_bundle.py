@@ -44,6 +44,10 @@ def _write_manifest(root: Path, manifest: dict) -> None:
     (root / MANIFEST).write_text(json.dumps(manifest))
 
 
+def copy_of(bundle: Path, dest: Path) -> Path:
+    return Path(shutil.copytree(bundle, dest))
+
+
 def test_export_lists_every_file_with_its_hash(bundle, run_dir):
     m = _manifest(bundle)
     assert m["format"] == BUNDLE_FORMAT and m["kind"] == "boosttune-bundle"
@@ -53,9 +57,9 @@ def test_export_lists_every_file_with_its_hash(bundle, run_dir):
     for rel, entry in m["files"].items():
         assert entry == {"sha256": sha256_file(bundle / rel), "size": (bundle / rel).stat().st_size}
     # The incomplete third stage is left out; the two complete SSMs are there in stage order.
-    assert [s["name"] for s in m["ssms"]] == ["ssm-1", "ssm-2"]
-    assert [s["stage"] for s in m["ssms"]] == [1, 2]
-    s1 = m["ssms"][0]
+    assert [s["name"] for s in m["drafters"]] == ["ssm-1", "ssm-2"]
+    assert [s["stage"] for s in m["drafters"]] == [1, 2] and {s["kind"] for s in m["drafters"]} == {"ssm"}
+    s1 = m["drafters"][0]
     assert s1["weights"] == ["ssms/ssm-1/model.safetensors"] and s1["report"]["pool_before"] == 100
     stats = json.loads((run_dir / "ssms/ssm-1/stats.json").read_text())
     assert json.loads((bundle / s1["acceptance_profile"]).read_text()) == stats["acceptance_profile"]
@@ -66,7 +70,7 @@ def test_export_lists_every_file_with_its_hash(bundle, run_dir):
     assert not any(p.suffix in (".bin", ".pt", ".pkl", ".pickle") for p in bundle.rglob("*"))
     # The scheduler directory is copied file for file (its hidden temporary is not).
     assert m["scheduler"] == {"dir": "scheduler", "files": ["scheduler/features/names.txt", "scheduler/policy.json"]}
-    assert m["tree"] == TREE
+    assert all(s["tree"] == TREE for s in m["drafters"])  # each drafter carries its own tree
     assert m["llm"]["ref"] == "tiny-random" and len(m["llm"]["sha256"]) == 64
     assert set(m["llm"]["files"]) >= {"config.json", "model.safetensors"}
 
@@ -81,23 +85,50 @@ def test_the_manifest_has_one_owner_that_writes_and_reads_it(run_dir, bundle, co
     report["tree"]["ngram_depths"] = [2, 4]
     (tabled / "report.json").write_text(json.dumps(report))
     out = export_bundle(tabled, tmp_path / "tabled").bundle
-    assert _manifest(out)["tree"]["ngram_depths"] == [2, 4] and load_bundle(out).tree.ngram_depths == (2, 4)
-    # manifests written before the tree carried ngram_depths still load
-    old = _manifest(copy)
-    del old["tree"]["ngram_depths"]
-    _write_manifest(copy, old)
-    assert verify_bundle(copy).manifest.tree.ngram_depths == ()
+    assert _manifest(out)["drafters"][0]["tree"]["ngram_depths"] == [2, 4]
+    assert load_bundle(out).manifest.drafters[0].tree.ngram_depths == (2, 4)
+
+
+def _as_format_1(m: dict) -> dict:
+    """A format-2 manifest object as format 1 wrote it: an ``ssms`` list without kinds, one tree, and
+    prompt lookup as a number (the tree as before it carried ngram_depths)."""
+    models = [d for d in m["drafters"] if d["dir"] is not None]
+    lookup = [d for d in m["drafters"] if d["kind"] == "prompt_lookup"]
+    old = {k: v for k, v in m.items() if k != "drafters"}
+    old["format"] = 1
+    old["tree"] = {k: v for k, v in models[0]["tree"].items() if k != "ngram_depths"}
+    old["ssms"] = [{k: v for k, v in d.items() if k not in ("kind", "tree")} for d in models]
+    old["prompt_lookup"] = len(lookup[0]["tree"]["widths"]) if lookup else 0
+    return old
+
+
+def test_format_1_bundles_load_through_the_migration(run_dir, copy, tmp_path):
+    """A bundle written before drafters had kinds loads: its SSMs become kind "ssm", a feature head
+    (its directory lists feature_head.json) kind "feature", its one tree every drafter's, and its
+    prompt-lookup number a prompt-lookup drafter."""
+    new = verify_bundle(copy).manifest
+    _write_manifest(copy, _as_format_1(_manifest(copy)))
+    old = verify_bundle(copy).manifest
+    assert old.format == BUNDLE_FORMAT and old.drafters == new.drafters and old.prompt_lookup == 0
+    m = _as_format_1(new.to_json())
+    m["prompt_lookup"] = 3
+    m["ssms"][1]["dir"] = "ssms/feature"
+    m["files"]["ssms/feature/feature_head.json"] = m["files"]["ssms/ssm-2/config.json"]
+    migrated = parse_manifest(m)
+    assert [(d.name, d.kind) for d in migrated.drafters] == [("ssm-1", "ssm"), ("ssm-2", "feature"),
+                                                             ("prompt-lookup", "prompt_lookup")]
+    assert migrated.prompt_lookup == 3 and migrated.drafters[2].dir is None
 
 
 def test_load_bundle_gives_models_tree_and_scheduler(bundle):
     b = load_bundle(bundle)
-    assert len(b.ssms) == 2 and b.ssm_names == ["ssm-1", "ssm-2"]
-    assert b.tree.widths == (1, 2, 1)
+    assert list(b.models) == b.model_names == ["ssm-1", "ssm-2"]
+    assert all(d.tree.widths == (1, 2, 1) for d in b.manifest.drafters)
     assert b.scheduler_dir == bundle / "scheduler"
-    assert b.acceptance_profiles[0]["per_depth"][0] == pytest.approx(0.6)
+    assert b.acceptance_profiles["ssm-1"]["per_depth"][0] == pytest.approx(0.6)
     assert b.llm.ref == "tiny-random" and b.context_length == 2048
-    assert all(s.tokenizer is b.llm.tokenizer for s in b.ssms)
-    assert b.llm.model.dtype == b.ssms[0].model.dtype
+    assert all(s.tokenizer is b.llm.tokenizer for s in b.models.values())
+    assert b.llm.model.dtype == b.models["ssm-1"].model.dtype
 
 
 def _delete(root: Path) -> str:
@@ -158,9 +189,9 @@ def _broken_manifest(root: Path) -> str:
 
 def _missing_field(root: Path) -> str:
     m = _manifest(root)
-    del m["ssms"][0]["config"]
+    del m["drafters"][0]["config"]
     _write_manifest(root, m)
-    return "ssms[0].config"
+    return "drafters[0].config"
 
 
 @pytest.mark.parametrize("damage", [_delete, _truncate, _flip_byte, _wrong_hash, _unknown_format, _extra_file,
@@ -178,9 +209,9 @@ def test_refusal_messages_say_what_happened(bundle, copy):
         verify_bundle(copy)
     shutil.copyfile(bundle / "tokenizer/tokenizer.json", copy / "tokenizer/tokenizer.json")
     m = _manifest(copy)
-    m["format"] = 2
+    m["format"] = 3
     _write_manifest(copy, m)
-    with pytest.raises(BundleError, match="unsupported bundle format 2"):
+    with pytest.raises(BundleError, match="unsupported bundle format 3"):
         verify_bundle(copy)
 
 
@@ -223,7 +254,7 @@ def test_export_refuses_what_it_cannot_bundle(run_dir, bundle, tmp_path):
 def test_cli_export_then_generate_from_the_bundle(run_dir, tmp_path, capsys):
     out = tmp_path / "cli-bundle"
     assert main(["export", str(run_dir), "--out", str(out)]) == 0
-    assert "ssm-1, ssm-2" in capsys.readouterr().out
+    assert "drafters ssm-1 (ssm, draft vocabulary whole), ssm-2 (ssm" in capsys.readouterr().out
     rc = main(["generate", str(out), "Hello there", "--max-new-tokens", "8"])
     captured = capsys.readouterr()
     assert rc == 0 and "tau" in captured.err and captured.out.strip()
@@ -255,12 +286,13 @@ def test_bundle_with_a_draft_vocabulary_decodes_losslessly(run_dir, tmp_path):
 
     out = export_bundle(run_dir, tmp_path / "cut", draft_vocab=12).bundle
     m = _manifest(out)
-    assert m["tree"]["draft_vocab"] == 12 and m["draft_vocab"] == "draft_vocab.json"
+    assert all(d["tree"]["draft_vocab"] == 12 for d in m["drafters"]) and m["draft_vocab"] == "draft_vocab.json"
     assert m["files"]["draft_vocab.json"]["sha256"] == sha256_file(run_dir / "draft_vocab.json")
     b = load_bundle(out)
-    assert b.tree.draft_vocab == 12
+    tree = b.manifest.drafters[0].tree
+    assert tree.draft_vocab == 12
     assert b.ranking.tolist() == load_ranking(run_dir / "draft_vocab.json").tolist()
-    engine = engine_from_models(b.llm.model, [s.model for s in b.ssms], b.tree, ranking=b.ranking)
+    engine = engine_from_models(b.llm.model, [s.model for s in b.models.values()], tree, ranking=b.ranking)
     ids = b.llm.tokenizer("Tell me a story")["input_ids"]
     stop = StopCriteria(max_new_tokens=20)
     res = engine.generate(ids, stop)
@@ -289,7 +321,8 @@ def test_bundle_default_prompt_lookup_serves_without_a_scheduler(tmp_path):
 
     bare = make_run_dir(tmp_path / "run", n_ssms=1, scheduler=False)
     out = export_bundle(bare, tmp_path / "b", prompt_lookup=4).bundle
-    assert _manifest(out)["prompt_lookup"] == 4
+    assert [(d["name"], d["kind"], d["dir"]) for d in _manifest(out)["drafters"]] == [
+        ("ssm-1", "ssm", "ssms/ssm-1"), ("prompt-lookup", "prompt_lookup", None)]
     b = load_bundle(out)
     assert b.manifest.prompt_lookup == 4
     state = create_app(b, ServerConfig(model_name="m", torch_threads=1, warmup=False)).state.boosttune
@@ -302,10 +335,15 @@ def test_bundle_default_prompt_lookup_serves_without_a_scheduler(tmp_path):
     with pytest.raises(ValueError, match="--prompt-lookup"):
         export_bundle(bare, tmp_path / "b2", prompt_lookup=-1)
     m = _manifest(out)
-    m["prompt_lookup"] = -2
+    m["drafters"][1]["tree"]["widths"] = []
     _write_manifest(out, m)
-    with pytest.raises(BundleError, match="prompt_lookup"):
+    with pytest.raises(BundleError, match=r"drafters\[1\]\.tree"):
         verify_bundle(out)
+    m = _as_format_1(_manifest(copy_of(out, tmp_path / "old")))
+    m["prompt_lookup"] = -2
+    _write_manifest(tmp_path / "old", m)
+    with pytest.raises(BundleError, match="prompt_lookup"):
+        verify_bundle(tmp_path / "old")
 
 
 # -- Damage that the hashes cannot see (issue 14): the manifest itself, and files re-hashed after the change.
@@ -458,14 +496,14 @@ def test_export_ships_what_the_run_measured_fastest_unless_told(tmp_path, capsys
     report["evaluation"] = _evaluation({"ssm-1": 0.98, "ssm-2": 1.15, "ensemble": 0.86})
     (run / "report.json").write_text(json.dumps(report))
     res = export_bundle(run, tmp_path / "b")
-    assert [s["name"] for s in _manifest(res.bundle)["ssms"]] == ["ssm-2"] and res.choice.drafters == ["ssm-2"]
+    assert [s["name"] for s in _manifest(res.bundle)["drafters"]] == ["ssm-2"] and res.choice.drafters == ["ssm-2"]
     state = load_bundle(res.bundle)
-    assert state.ssm_names == ["ssm-2"]
+    assert state.model_names == ["ssm-2"]
     assert main(["export", str(run), "--out", str(tmp_path / "cli")]) == 0
     line = capsys.readouterr().out.splitlines()[-1]
     assert line.startswith("drafters ssm-2: fastest in the run's evaluation, 1.15x") and "ensemble 0.86x" in line
     both = export_bundle(run, tmp_path / "both", drafters=["ssm-1", "ssm-2"])
-    assert both.choice is None and [s["name"] for s in _manifest(both.bundle)["ssms"]] == ["ssm-1", "ssm-2"]
+    assert both.choice is None and [s["name"] for s in _manifest(both.bundle)["drafters"]] == ["ssm-1", "ssm-2"]
     # all slower than plain decoding: the fastest still ships, with a warning
     report["evaluation"] = _evaluation({"ssm-1": 0.7, "ssm-2": 0.8, "ensemble": 0.5})
     (run / "report.json").write_text(json.dumps(report))
@@ -477,9 +515,9 @@ def test_export_ships_what_the_run_measured_fastest_unless_told(tmp_path, capsys
     cfg = SchedulerConfig(prompts="unused", depths=(1, 2), pca_components=4, ridge_alphas=(1e-3,), prompt_lookup=False)
     fit_scheduler(synthetic_records(), costs(), SPEC, (1, 1), cfg, ["ssm-1", "ssm-2"]).save(RunDir(run).scheduler_file)
     sched = export_bundle(run, tmp_path / "sched")
-    assert sched.choice is None and [s["name"] for s in _manifest(sched.bundle)["ssms"]] == ["ssm-1", "ssm-2"]
+    assert sched.choice is None and [s["name"] for s in _manifest(sched.bundle)["drafters"]] == ["ssm-1", "ssm-2"]
     fit_scheduler(synthetic_records(), costs(), SPEC, (1, 1), cfg, ["ssm-2", "ssm-1"]).save(RunDir(run).scheduler_file)
-    assert [s["name"] for s in _manifest(export_bundle(run, tmp_path / "s2").bundle)["ssms"]] == ["ssm-1", "ssm-2"]
+    assert [s["name"] for s in _manifest(export_bundle(run, tmp_path / "s2").bundle)["drafters"]] == ["ssm-1", "ssm-2"]
     atomic_write_json(RunDir(run).scheduler_file, {"kind": "test"})
     with pytest.raises(ValueError, match="scheduler"):
         export_bundle(run, tmp_path / "broken")

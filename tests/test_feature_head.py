@@ -97,7 +97,7 @@ def test_files_round_trip_and_refuse_a_bad_projection(tmp_path):
     back = load_model(str(tmp_path / "h"))
     assert is_feature_head(back.model) and back.model.config.num_hidden_layers == 1
     torch.testing.assert_close(getattr(back.model, FC_ATTR).weight, getattr(head, FC_ATTR).weight)
-    engine = engine_from_models(llm.model, {"f": back.model}, TreeConfig(widths=(1, 1)))
+    engine = engine_from_models(llm.model, {"f": back.model}, TreeConfig(widths=(1, 1)), kinds={"f": "feature"})
     assert isinstance(engine.drafters["f"], FeatureDrafter)
     wrong = copy.deepcopy(back.model)
     setattr(wrong, FC_ATTR, torch.nn.Linear(4, 2, bias=False))

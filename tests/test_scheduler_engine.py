@@ -180,7 +180,8 @@ def test_feature_head_labels_replay_the_engines_own_steps(depths):
     llm = local_llm(11)  # its feature at j depends on token j only: a noisy oracle head agrees often
     head, ssm = noisy_oracle_head(llm, 5), perturbed(llm, 1, 0.3)
     widths = (3, 2)
-    eng = engine_from_models(llm, {"feature": head, "ssm-1": ssm}, TreeConfig(widths=widths), lookup=5)
+    eng = engine_from_models(llm, {"feature": head, "ssm-1": ssm}, TreeConfig(widths=widths), lookup=5,
+                             kinds={"feature": "feature"})
     prompt = [3, 4, 5, 6, 3, 4, 5, 9, 3, 4]
     stop = StopCriteria(max_new_tokens=30)
     spec = FeatureSpec(hidden_size=llm.config.hidden_size, ngram_buckets=4, lookup=True)
@@ -199,9 +200,10 @@ def test_feature_head_labels_replay_the_engines_own_steps(depths):
 
 def test_feature_head_replay_needs_features_and_shallow_trees():
     llm = local_llm(11)
-    eng = engine_from_models(llm, {"feature": noisy_oracle_head(llm, 5)}, TreeConfig(widths=(2,)))
+    eng = engine_from_models(llm, {"feature": noisy_oracle_head(llm, 5)}, TreeConfig(widths=(2,)),
+                             kinds={"feature": "feature"})
     drafter = eng.drafters["feature"]
     with pytest.raises(ValueError, match="features"):
         drafter.replay([3, 4], [5, 6], TreeConfig(widths=(2,)))
     with pytest.raises(ValueError, match="two levels"):
-        drafter.replay([3, 4], [5, 6], TreeConfig(widths=(2, 1, 1)), features=torch.zeros(3, 32))
+        drafter.replay([3, 4], [5, 6], TreeConfig(widths=(2, 1, 1)), features=lambda: torch.zeros(3, 32))

@@ -150,7 +150,7 @@ def test_server_uses_the_exported_scheduler_and_stays_lossless(run_dir, tmp_path
     plain = incremental_generate(bundle.llm.model, ids, StopCriteria(max_new_tokens=10, eos_token_ids=eos_token_ids(bundle.llm)))
     assert stats["token_ids"] == plain.tokens
     assert bundle.ranking is not None and app.state.boosttune.scheduler.draft_vocab == 40
-    assert set(stats["ssms"]) <= {"ssm-1", "ssm-2", "prompt-lookup"}  # what the scheduler chose (possibly none)
+    assert set(stats["drafters"]) <= {"ssm-1", "ssm-2", "prompt-lookup"}  # what the scheduler chose (possibly none)
 
 
 @pytest.mark.parametrize("no_scheduler", [False, True])

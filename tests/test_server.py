@@ -91,7 +91,8 @@ def test_models_and_health(client, server):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     info = models[0].model_extra["boosttune"]
-    assert info["ssms"] == ["ssm-1", "ssm-2"] and info["tree"]["widths"] == [1, 2, 1]
+    assert [d["name"] for d in info["drafters"]] == ["ssm-1", "ssm-2"]
+    assert {d["kind"] for d in info["drafters"]} == {"ssm"} and info["drafters"][0]["tree"]["widths"] == [1, 2, 1]
     health = httpx.get(f"{server}/health").json()
     assert health["status"] == "ok" and health["model"] == MODEL
 
@@ -111,7 +112,7 @@ def test_greedy_answers_equal_plain_decoding_and_generate(client, loaded, bundle
     assert rc.usage.prompt_tokens == len(chat_ids)
     stats = rc.model_extra["boosttune"]
     assert stats["tau"] == pytest.approx(16 / stats["steps"]) and sum(stats["accept_lengths"]) == 16
-    assert stats["ssms"] == ["ssm-1", "ssm-2"] and set(stats["ssm_hits"]) == {"ssm-1", "ssm-2"}
+    assert stats["drafters"] == ["ssm-1", "ssm-2"] and set(stats["drafter_hits"]) == {"ssm-1", "ssm-2"}
 
     assert main(["generate", str(bundle_dir), prompt, "--max-new-tokens", "16"]) == 0
     assert capsys.readouterr().out == chat_text + "\n"

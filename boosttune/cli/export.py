@@ -83,10 +83,10 @@ def _export_bundle(args: argparse.Namespace) -> int:
     res = export_bundle(run, args.out, force=args.force, draft_vocab=args.draft_vocab, drafters=drafters,
                         prompt_lookup=args.prompt_lookup)
     m = res.manifest
+    drafters = ", ".join(f"{d.name} ({d.kind}, draft vocabulary {d.tree.draft_vocab or 'whole'})" for d in m.models)
     print(
-        f"bundle {res.bundle}: LLM {m.llm.ref} (sha256 {m.llm.sha256[:12]}), "
-        f"SSMs {', '.join(s.name for s in m.ssms)}, scheduler {m.scheduler_dir or 'none'}, "
-        f"draft vocabulary {m.tree.draft_vocab or 'whole'}, prompt lookup {m.prompt_lookup or 'off'}, "
+        f"bundle {res.bundle}: LLM {m.llm.ref} (sha256 {m.llm.sha256[:12]}), drafters {drafters}, "
+        f"scheduler {m.scheduler_dir or 'none'}, prompt lookup {m.prompt_lookup or 'off'}, "
         f"{len(m.files)} files, {res.total_bytes / 1e6:.1f} MB"
     )
     if res.choice is not None:

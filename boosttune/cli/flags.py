@@ -79,8 +79,8 @@ def ssm_refs(args: argparse.Namespace) -> list[str]:
 
 
 def tree_override(args: argparse.Namespace) -> TreeConfig | None:
-    """The tree the tree flags ask for, unset fields kept from the bundle's tree (else ``TreeConfig()``);
-    None when no tree flag is set."""
+    """The tree the tree flags ask for, unset fields kept from the tree of the bundle's first drafter
+    (else ``TreeConfig()``); None when no tree flag is set."""
     changes = {field: getattr(args, flag) for flag, field in _TREE_FLAGS.items() if getattr(args, flag) is not None}
     if not changes:
         return None
@@ -88,7 +88,7 @@ def tree_override(args: argparse.Namespace) -> TreeConfig | None:
     if args.bundle is not None:
         from boosttune.serving.manifest import read_manifest
 
-        base = read_manifest(args.bundle).tree
+        base = read_manifest(args.bundle).models[0].tree
     return dataclasses.replace(base, **changes)
 
 

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from boosttune.core.feature_head import attach_fc, is_feature_dir
 from boosttune.core.files import is_complete, mark_complete, sha256_file
+from boosttune.core.kind_file import declared_kind
 
 DEFAULT_LLM = "smollm2-135m-instruct"
 _DEFAULT_ALIASES = frozenset({"default", DEFAULT_LLM})
@@ -65,6 +66,8 @@ class LoadedModel:
     """What the user asked for: ``"default"``, a local path or a hub id."""
     path: str
     """The local directory actually loaded (the cache directory for the default)."""
+    kind: str = ""
+    """For a drafter: the kind its directory declares (``core/kind_file.py``); "" for the LLM."""
 
 
 def native_bf16(device: str | torch.device = "cpu") -> bool:
@@ -374,6 +377,8 @@ def load_llm_and_ssms(
     """The LLM and its SSMs, each SSM's vocabulary checked against the LLM's before any decoding."""
     llm = load_model(llm_ref, dtype=dtype)
     ssms = [load_model(ref, dtype=ssm_dtype or dtype) for ref in ssm_refs]
+    for ssm in ssms:
+        ssm.kind = declared_kind(ssm.path)
     for ref, ssm in zip(ssm_refs, ssms, strict=True):
         check_same_vocabulary(
             llm.tokenizer, ssm.tokenizer, model_vocab_size(llm.model), model_vocab_size(ssm.model), ref

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 from boosttune.assemble import engine_from_models
 from boosttune.config import TrainConfig
@@ -20,6 +20,7 @@ from boosttune.core.models import dtype_name, eos_token_ids, load_llm_and_ssms, 
 from boosttune.core.progress import progress
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.core.rundir import FEATURE_NAME, RunDir, ssm_name
+from boosttune.serving import kinds
 from boosttune.serving.builders import TreeConfig
 from boosttune.serving.draft_vocab import load_ranking
 from boosttune.serving.engine import SpeculativeEngine
@@ -99,18 +100,21 @@ def feature_tau(cfg: TrainConfig, run: RunDir, llm, tree: TreeConfig, prompts: l
     """τ, speed and c of the run's feature head alone, on the run's tree shape with the head's draft
     vocabulary (the one it was trained over); with ``eval.prompt_lookup``, also merged with prompt lookup."""
     head = load_model(str(run.feature_dir), llm.dtype)
-    tree = replace(tree, draft_vocab=cfg.feature.draft_vocab)
+    kind = kinds.kind(kinds.directory_kind(run.feature_dir))
+    tree = kind.trained_tree(run.feature_dir, tree)
     ranking = load_ranking(run.draft_vocab_path) if tree.draft_vocab else None
-    r = _option(llm, {FEATURE_NAME: head.model}, tree, ranking, prompts, stop, plain, cfg.eval.prompt_lookup)
+    r = _option(llm, {FEATURE_NAME: head.model}, tree, ranking, prompts, stop, plain, cfg.eval.prompt_lookup,
+                kinds={FEATURE_NAME: kind.name})
     return {**r, "c": relative_cost(r, plain, tree.max_depth), "draft_vocab": tree.draft_vocab}
 
 
 def _option(llm, drafters, tree: TreeConfig, ranking, prompts: list[list[int]], stop: StopCriteria, plain: dict,
-            lookup: int) -> dict:
-    """τ, tokens/s and speed-up over plain decoding of one option (these drafters on ``tree``); with
-    ``lookup`` > 0 the same merged with prompt lookup of chains up to that long, as its ``lookup`` entry."""
+            lookup: int, kinds: dict[str, str] | None = None) -> dict:
+    """τ, tokens/s and speed-up over plain decoding of one option (these drafters, of ``kinds``, on
+    ``tree``); with ``lookup`` > 0 the same merged with prompt lookup of chains up to that long, as its
+    ``lookup`` entry."""
     def measured(**extra) -> dict:
-        r = tau_of(engine_from_models(llm, drafters, tree, ranking=ranking, **extra), prompts, stop)
+        r = tau_of(engine_from_models(llm, drafters, tree, ranking=ranking, kinds=kinds, **extra), prompts, stop)
         r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
         return r
 

@@ -22,7 +22,7 @@ import torch
 
 from boosttune.scheduler.features import FeatureSpec, RequestFeatures, request_features
 from boosttune.scheduler.offline.walk import Labels
-from boosttune.serving.engine import GenerationResult, SpeculativeEngine, wants_features
+from boosttune.serving.engine import GenerationResult, SpeculativeEngine
 from boosttune.serving.stops import StopCriteria
 
 MAX_NGRAM = 3
@@ -121,18 +121,19 @@ def label_request(
 
     res = engine.generate(ids, stop, planner=capture, record=True)
     columns, lookup, ngram, chain = [], -1, None, None
-    features = None  # the LLM's features over the request, for feature heads: one forward, on demand
+    cached: list[torch.Tensor] = []  # the LLM's features over the request: one forward, on demand
+
+    def features() -> torch.Tensor:
+        if not cached:
+            engine.llm.reset()
+            seen = [*ids, *res.tokens][:-1]  # every position but the last has a feature
+            cached.append(engine.llm.chain_hidden(torch.tensor(seen, dtype=torch.long)) if seen
+                          else torch.zeros(0, engine.llm.model.config.hidden_size))
+        return cached[0]
+
     for j, name in enumerate(res.active or []):  # the engine's drafter order, as its step records
         drafter, tree = engine.drafters[name], engine.plan.trees[name]
-        if wants_features(drafter):
-            if features is None:
-                engine.llm.reset()
-                seen = [*ids, *res.tokens][:-1]  # every position but the last has a feature
-                features = (engine.llm.chain_hidden(torch.tensor(seen, dtype=torch.long)) if seen
-                            else torch.zeros(0, engine.llm.model.config.hidden_size))
-            replay = drafter.replay(ids, res.tokens, tree, features=features)
-        else:
-            replay = drafter.replay(ids, res.tokens, tree)
+        replay = drafter.replay(ids, res.tokens, tree, features)
         if replay.ngram is not None:  # prompt lookup: its draft depends on the match at each position
             if lookup >= 0:
                 raise ValueError(f"labels take one prompt-lookup drafter; the plan has more ({res.active})")

@@ -129,7 +129,8 @@ def _setup(run: RunDir, cfg: SchedulerConfig) -> _Setup:
     label_tree = TreeConfig(widths=widths[: cfg.label_depth], draft_vocab=cfg.draft_vocab)
     lookup = cfg.label_depth if cfg.prompt_lookup else 0
     named = {path.name: s.model for path, s in zip(ssm_paths, ssms, strict=True)}
-    engine = engine_from_models(llm.model, named, label_tree, ranking=ranking, lookup=lookup)
+    engine = engine_from_models(llm.model, named, label_tree, ranking=ranking, lookup=lookup,
+                                kinds={path.name: s.kind for path, s in zip(ssm_paths, ssms, strict=True)})
     hidden = int(llm.model.get_output_embeddings().weight.shape[1])
     def encoded_of(prompts: list) -> list[tuple[str, list[int]]]:
         pairs = [(p.id, encode_prompt(llm.tokenizer, p, chat=cfg.chat)) for p in prompts]

@@ -185,8 +185,10 @@ class _State:
         b = self.bundle
         return {
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "boosttune",
-            "boosttune": {"llm": b.manifest.llm.ref, "llm_sha256": b.manifest.llm.sha256, "ssms": b.ssm_names,
-                          "prompt_lookup": self.lookup, "tree": asdict(b.tree),
+            "boosttune": {"llm": b.manifest.llm.ref, "llm_sha256": b.manifest.llm.sha256,
+                          "drafters": [{"name": d.name, "kind": d.kind, "tree": asdict(d.tree)}
+                                       for d in b.manifest.models],
+                          "prompt_lookup": self.lookup,
                           "context_length": self.limits.context_length,
                           "scheduler": b.manifest.scheduler_dir},
         }
@@ -195,7 +197,7 @@ class _State:
         used = list(result.active or [])
         out = {
             "tau": result.tau, "steps": result.steps, "accept_lengths": result.accept_lengths,
-            "ssms": used, "ssm_hits": {name: result.proposer_hits.get(name, 0) for name in used},
+            "drafters": used, "drafter_hits": {name: result.proposer_hits.get(name, 0) for name in used},
             "engine_seconds": result.wall_time, "queue_seconds": queue_time,
             "tokens_per_s": len(result.tokens) / result.wall_time if result.wall_time > 0 else None,
         }
@@ -564,7 +566,7 @@ def run_server(bundle: LoadedBundle, config: ServerConfig, host: str = "127.0.0.
     normally once the open requests have ended, so the process exits 0)."""
     app = create_app(bundle, config)
     name = app.state.boosttune.model_name
-    print(f"boosttune serve: model {name!r} ({len(bundle.ssms)} SSMs) at http://{host}:{port}/v1", flush=True)
+    print(f"boosttune serve: model {name!r} (drafters {', '.join(bundle.model_names)}) at http://{host}:{port}/v1", flush=True)
     # uvicorn handles SIGTERM itself, then raises it again once shut down, for the handler it found
     # (the default one kills the process: exit status 143). A server that has ended its requests has
     # stopped as asked: that handler ends run_server instead (and stops a server not yet serving).
