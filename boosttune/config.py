@@ -76,7 +76,10 @@ class PromptsConfig:
     shuffle_seed: int = 0
 
 
-TEACHER_BACKENDS = ("auto", "batched", "hf", "openai")
+TeacherBackendName = Literal["auto", "batched", "hf", "openai"]
+"""``teacher.backend``'s names. Each is one class in boosttune/train/teacher/backends.py (training sits
+above config, so the names are written here and a test holds the registry's keys equal to them)."""
+TEACHER_BACKENDS: tuple[str, ...] = typing.get_args(TeacherBackendName)
 
 
 @dataclass
@@ -90,7 +93,7 @@ class TeacherConfig:
     top_p: float = 1.0
     topk_logprobs: int = 0
     """Keep the LLM's top-k log-probs per position for a KL/TV loss (0 = off)."""
-    backend: str = "auto"
+    backend: TeacherBackendName = "auto"
     """'batched' (boosttune's own batched decoder, boosttune/train/batched_decode.py: greedy or
     sampled; plain full causal attention only), 'hf' (transformers ``generate``), 'auto' (batched
     where the LLM's attention allows it, else hf), or 'openai' (an OpenAI-compatible
@@ -589,8 +592,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.teacher.temperature >= 0, "teacher.temperature", "must be >= 0 (0 = greedy)")
     _check(0 < cfg.teacher.top_p <= 1, "teacher.top_p", "must be in (0, 1]")
     _check(cfg.teacher.topk_logprobs >= 0, "teacher.topk_logprobs", "must be >= 0")
-    _check(cfg.teacher.backend in TEACHER_BACKENDS, "teacher.backend", f"must be one of {', '.join(TEACHER_BACKENDS)}")
-    _check_openai_teacher(cfg.teacher)
+    _check_teacher_backend(cfg.teacher)
     for name in ("teacher_dtype", "eval_dtype"):
         _check(getattr(cfg.llm, name) in ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16", "auto"),
                f"llm.{name}", "must be fp32, bf16, fp16 or auto (bf16 where the device has native bf16, else fp32)")
@@ -630,13 +632,21 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.eval.prompt_lookup >= 0, "eval.prompt_lookup", f"must be >= 0 (0: off), got {cfg.eval.prompt_lookup}")
 
 
-def _check_openai_teacher(t: TeacherConfig) -> None:
-    """The openai backend's fields: a usable endpoint URL, a positive concurrency."""
+def _check_teacher_backend(t: TeacherConfig) -> None:
+    """``teacher.backend`` and the fields that only its backend reads."""
+    _check(t.backend in TEACHER_BACKENDS, "teacher.backend", f"must be one of {', '.join(TEACHER_BACKENDS)}")
+    _check(t.concurrency >= 1, "teacher.concurrency", f"must be >= 1 (requests in flight), got {t.concurrency}")
+    _TEACHER_BACKEND_FIELDS.get(t.backend, _no_backend_fields)(t)
+
+
+def _no_backend_fields(t: TeacherConfig) -> None:
+    """The local backends read no backend-only fields."""
+
+
+def _check_openai_fields(t: TeacherConfig) -> None:
+    """The openai backend's fields: a usable endpoint URL and an environment variable's name for the key."""
     from urllib.parse import urlparse
 
-    _check(t.concurrency >= 1, "teacher.concurrency", f"must be >= 1 (requests in flight), got {t.concurrency}")
-    if t.backend != "openai":
-        return
     _check(bool(t.endpoint.strip()), "teacher.endpoint",
            "the openai backend needs the server's base URL, e.g. teacher.endpoint=http://127.0.0.1:8000/v1")
     url = urlparse(t.endpoint.strip())
@@ -645,6 +655,11 @@ def _check_openai_teacher(t: TeacherConfig) -> None:
     _check(not t.api_key_env or t.api_key_env.replace("_", "").isalnum(), "teacher.api_key_env",
            f"{t.api_key_env!r} is not an environment variable name (e.g. OPENAI_API_KEY); the key itself "
            "belongs in that variable, not in the config")
+
+
+# Checked when the config loads, before anything runs; here rather than in the backends' classes
+# because config sits below training (tests/test_layers.py) and cannot import them.
+_TEACHER_BACKEND_FIELDS = {"openai": _check_openai_fields}
 
 
 def check_deepspeed_json(cfg: TrainConfig) -> None:

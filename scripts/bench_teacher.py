@@ -27,8 +27,8 @@ import torch
 from boosttune.config import TeacherConfig
 from boosttune.core.models import eos_token_ids, load_model
 from boosttune.core.prompts import encode_prompt, read_prompts
-from boosttune.train.teacher import generate_batch
-from boosttune.train.teacher_openai import IdStats, OpenAITeacher
+from boosttune.train.teacher.local import generate_batch
+from boosttune.train.teacher.openai_server import IdStats, OpenAITeacher
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAREGPT = ROOT.parent / "shared" / "data" / "sharegpt_sample" / "sharegpt_v3_first_human_turns.jsonl"

@@ -1,14 +1,18 @@
-"""The import graph: one layer per folder, imports only point down, no package cycle.
+"""The import graph: one layer per folder, imports only point down, no package or module cycle.
 
 Every ``import boosttune...`` in the source (at module level or inside a function, type-only ones
 too) is an edge from the importing module's package to the imported one's. A package may import
 its own modules and the packages of lower layers; packages of one layer never import each other.
 A new package must be given a layer here, which is where the decision is made visible.
+
+The same imports, module to module, must form no cycle either: a cycle hidden by a function-level
+import still makes two modules that cannot be understood, tested or moved one without the other.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,6 +29,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("boosttune.cli",),  # the commands
 ]
 LAYER = {package: i for i, packages in enumerate(LAYERS) for package in packages}
+# Packages that only group modules of their parent's layer (one phase of it): counted as the parent
+# here, since they both use and serve its other modules; test_no_module_cycle still checks every module.
+INNER = {"boosttune.train.teacher"}
 
 
 def module_name(path: Path) -> str:
@@ -40,26 +47,58 @@ def package_of(module: str, packages: set[str]) -> str:
     return module
 
 
-def import_edges() -> tuple[set[str], list[tuple[str, str, str]]]:
-    """(packages, [(importing module, imported module, where)]) over the whole source."""
-    files = [p for folder in FOLDERS for p in (REPO / folder).rglob("*.py")]
-    packages = {module_name(p) for p in files if p.name == "__init__.py"}
-    edges = []
-    for path in files:
+def _source_files() -> list[Path]:
+    return [p for folder in FOLDERS for p in (REPO / folder).rglob("*.py")]
+
+
+def _imports() -> Iterator[tuple[str, ast.Import | ast.ImportFrom, str]]:
+    """(importing module, import statement, where) for every import in the source."""
+    for path in _source_files():
         module = module_name(path)
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom):
                 assert node.level == 0, f"{path}: relative import; import boosttune... absolutely"
-                names = [node.module] if node.module else []
-                names += [f"{node.module}.{a.name}" for a in node.names]  # `from boosttune import assemble`
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                continue
-            for name in names:
-                if name == "boosttune" or name.startswith("boosttune."):
-                    edges.append((module, name, f"{path.relative_to(REPO)}:{node.lineno}"))
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                yield module, node, f"{path.relative_to(REPO)}:{node.lineno}"
+
+
+def _ours(name: str) -> bool:
+    return name == "boosttune" or name.startswith("boosttune.")
+
+
+def import_edges() -> tuple[set[str], list[tuple[str, str, str]]]:
+    """(packages, [(importing module, imported module, where)]) over the whole source."""
+    packages = {module_name(p) for p in _source_files() if p.name == "__init__.py"} - INNER
+    edges = []
+    for module, node, where in _imports():
+        if isinstance(node, ast.ImportFrom):
+            names = [node.module] if node.module else []
+            names += [f"{node.module}.{a.name}" for a in node.names]  # `from boosttune import assemble`
+        else:
+            names = [a.name for a in node.names]
+        edges += [(module, name, where) for name in names if _ours(name)]
     return packages, edges
+
+
+def module_edges() -> tuple[set[str], list[tuple[str, str, str]]]:
+    """(modules, [(importing module, imported module, where)]): each import names the module it runs.
+
+    ``from pkg import name`` is an edge to ``pkg.name`` where that is a module, else to ``pkg`` (its
+    ``__init__``); ``import a.b`` is an edge to ``a.b``. A package's ``__init__`` that imports its own
+    submodules is an edge down only, so it closes a cycle just when one of them imports it back.
+    """
+    modules = {module_name(p) for p in _source_files()}
+    edges = []
+    for module, node, where in _imports():
+        if isinstance(node, ast.ImportFrom):
+            if not (node.module and _ours(node.module)):
+                continue
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                edges.append((module, sub if sub in modules else node.module, where))
+        else:
+            edges += [(module, a.name, where) for a in node.names if _ours(a.name)]
+    return modules, [(a, b, where) for a, b, where in edges if a != b and b in modules]
 
 
 def package_graph() -> dict[str, set[str]]:
@@ -70,6 +109,64 @@ def package_graph() -> dict[str, set[str]]:
         if a != b:
             graph[a].add(b)
     return graph
+
+
+def module_graph() -> dict[str, dict[str, str]]:
+    """importing module -> {imported module: the first line that imports it}."""
+    modules, edges = module_edges()
+    graph: dict[str, dict[str, str]] = {m: {} for m in modules}
+    for a, b, where in edges:
+        graph[a].setdefault(b, where)
+    return graph
+
+
+def cycles_in(graph: dict[str, dict[str, str]]) -> list[list[tuple[str, str, str]]]:
+    """One cycle, as its edges (importer, imported, where), per strongly connected set of modules."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[list[str]] = []
+
+    def connect(m: str) -> None:  # Tarjan's strongly connected components
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if n not in index:
+                connect(n)
+                low[m] = min(low[m], low[n])
+            elif n in stack:
+                low[m] = min(low[m], index[n])
+        if low[m] == index[m]:
+            component = []
+            while not component or component[-1] != m:
+                component.append(stack.pop())
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for m in sorted(graph):
+        if m not in index:
+            connect(m)
+    return [_cycle_through(graph, component) for component in components]
+
+
+def _cycle_through(graph: dict[str, dict[str, str]], component: list[str]) -> list[tuple[str, str, str]]:
+    """The shortest way from the component's first module back to itself (breadth first)."""
+    start, inside = component[0], set(component)
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while start not in came_from:  # a strongly connected component always has the way back
+        reached = []
+        for m in frontier:
+            for n in sorted(graph[m]):
+                if n in inside and n not in came_from:
+                    came_from[n] = m
+                    reached.append(n)
+        frontier = reached
+    path = [start]
+    while len(path) == 1 or path[-1] != start:
+        path.append(came_from[path[-1]])
+    path.reverse()
+    return [(a, b, graph[a][b]) for a, b in zip(path, path[1:], strict=False)]
 
 
 def test_every_package_has_a_layer():
@@ -111,3 +208,17 @@ def test_serving_and_scheduler_never_import_training_or_the_cli():
     below = ("boosttune.serving", "boosttune.serving.http", "boosttune.scheduler")
     for p in below:
         assert not graph[p] & {"boosttune.train", "boosttune.cli", "boosttune.scheduler.offline"}, p
+
+
+def test_cycles_in_finds_a_package_that_its_module_imports_back():
+    """The detector itself: an ``__init__`` importing its submodule is fine until the submodule imports it."""
+    down = {"p": {"p.a": "p/__init__.py:1"}, "p.a": {"p.b": "p/a.py:1"}, "p.b": {}}
+    assert cycles_in(down) == []
+    back = {**down, "p.b": {"p": "p/b.py:3"}}
+    assert cycles_in(back) == [[("p", "p.a", "p/__init__.py:1"), ("p.a", "p.b", "p/a.py:1"), ("p.b", "p", "p/b.py:3")]]
+
+
+def test_no_module_cycle():
+    cycles = cycles_in(module_graph())
+    shown = ["\n".join(f"  {where}: {a} imports {b}" for a, b, where in cycle) for cycle in cycles]
+    assert not cycles, "module cycles:\n" + "\n\n".join(shown)

@@ -18,9 +18,11 @@ from test_verify_stochastic import _gof_pvalue  # chi-square, cells expected < 5
 from transformers import MistralConfig, MistralForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from boosttune.config import ConfigError, load_config
+from boosttune.config import TEACHER_BACKENDS, ConfigError, TeacherConfig, load_config
 from boosttune.train import batched_decode
-from boosttune.train.teacher import cut_at_eos, generate_batch, resolve_backend
+from boosttune.train.teacher.backends import BACKENDS, backend_for
+from boosttune.train.teacher.local import BatchedBackend, HFBackend, LocalBackend, generate_batch
+from boosttune.train.teacher.shards import cut_at_eos
 
 MAX_NEW = 24
 TOPK = 3
@@ -134,10 +136,13 @@ def _sliding_window_model():
 
 def test_auto_backend_falls_back_to_hf_where_the_batched_decoder_cannot_run() -> None:
     cfg = load_config(None).teacher
-    assert resolve_backend(cfg, tiny_llama(0)) == "batched"
-    assert resolve_backend(cfg, _sliding_window_model()) == "hf"
+    auto = backend_for(cfg)
+    assert isinstance(auto, LocalBackend)
+    assert auto.decoder_for(tiny_llama(0)) == "batched"
+    assert auto.decoder_for(_sliding_window_model()) == "hf"
     cfg.temperature = 0.7  # sampling teachers too
-    assert resolve_backend(cfg, tiny_llama(0)) == "batched"
+    assert backend_for(cfg).decoder_for(tiny_llama(0)) == "batched"
+    assert backend_for(TeacherConfig(backend="batched")).decoder_for(_sliding_window_model()) == "batched"
     with pytest.raises(ValueError, match="sliding-window"):
         generate_batch(_sliding_window_model(), [[2, 3]], 2, 0.0, 1.0, 0, frozenset({1}), backend="batched")
 
@@ -146,6 +151,22 @@ def test_an_unknown_backend_is_refused() -> None:
     assert load_config(None, ["teacher.backend=batched", "teacher.temperature=0.7"]).teacher.backend == "batched"
     with pytest.raises(ConfigError, match="teacher.backend"):
         load_config(None, ["teacher.backend=vllm"])
+    with pytest.raises(ConfigError, match=r"teacher\.backend: 'vllm' is not a teacher backend"):
+        backend_for(TeacherConfig(backend="vllm"))  # a config built in code, past load_config's checks
+
+
+def test_every_configurable_backend_is_registered() -> None:
+    """config.py names the backends (it sits below training); the registry has exactly one class each."""
+    assert set(BACKENDS) == set(TEACHER_BACKENDS) and len(BACKENDS) == len(TEACHER_BACKENDS)
+    for name in TEACHER_BACKENDS:
+        assert type(backend_for(TeacherConfig(backend=name))) is BACKENDS[name]
+
+
+def test_prompt_growth_uses_the_local_teachers_decoder() -> None:
+    """Growing prompts runs the LLM in this process: a local backend's own decoder, else auto."""
+    assert BatchedBackend.decoder == "batched" and HFBackend.decoder == "hf"
+    assert backend_for(TeacherConfig()).decoder == "auto"
+    assert backend_for(TeacherConfig(backend="openai", endpoint="http://h:1/v1")).decoder == "auto"
 
 
 def test_the_teacher_keeps_the_llms_features_beside_its_shards(tmp_path) -> None:
@@ -154,7 +175,8 @@ def test_the_teacher_keeps_the_llms_features_beside_its_shards(tmp_path) -> None
     from boosttune.train.distill import samples_from_teacher
     from boosttune.train.pipeline import _recorded_features
     from boosttune.train.sources import TrainPrompt
-    from boosttune.train.teacher import features_path, load_features, load_teacher, run_teacher
+    from boosttune.train.teacher.backends import run_teacher
+    from boosttune.train.teacher.shards import features_path, load_features, load_teacher
 
     model, run = tiny_llama(2, init=0.1), RunDir(tmp_path / "run")
     prompts = [TrainPrompt(id=f"p{i}", source="t", category="c", chat=False, input_ids=p) for i, p in enumerate(_prompts())]

@@ -32,8 +32,9 @@ from boosttune.core.prompts import encode_prompt
 from boosttune.core.rundir import RunDir
 from boosttune.export import export_bundle
 from boosttune.train.sources import TrainPrompt
-from boosttune.train.teacher import load_teacher, run_teacher
-from boosttune.train.teacher_openai import PROBE_TEXTS, OpenAITeacher, TeacherServerError
+from boosttune.train.teacher.backends import run_teacher
+from boosttune.train.teacher.openai_server import PROBE_TEXTS, OpenAITeacher, TeacherServerError
+from boosttune.train.teacher.shards import load_teacher
 
 MODEL = "tiny-teacher"
 TEXTS = ["Hello there", "Write a haiku about the sea.", "What is 2+2?", "Name three colours.",

@@ -85,7 +85,7 @@ import os
 import torch
 from torch import Tensor
 
-from boosttune.kernels.tree_attention import _check_inputs
+from boosttune.kernels.tree_attention_inputs import check_inputs
 
 try:
     import triton
@@ -507,7 +507,7 @@ def tree_attention_triton(
             "use boosttune.kernels.tree_attention.tree_attention, which falls back to PyTorch"
         )
     prefix_len = int(prefix_len)
-    _check_inputs(q, k, v, prefix_len, tree_mask)
+    check_inputs(q, k, v, prefix_len, tree_mask)
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"tree_attention_triton: dtype {q.dtype} not supported (fp32, fp16, bf16)")
     if num_splits is not None and int(num_splits) < 1:

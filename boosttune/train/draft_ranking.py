@@ -27,7 +27,7 @@ def ensure_draft_ranking(run: RunDir, vocab_size: int | None = None, ds=None) ->
                          "use the whole vocabulary (draft vocabulary 0)")
     if ds is None:
         from boosttune.config import load_config
-        from boosttune.train.teacher import load_teacher
+        from boosttune.train.teacher.shards import load_teacher
 
         cfg = load_config(run.config_path)
         ds = load_teacher(run, info["count"], cfg.teacher.shard_size)

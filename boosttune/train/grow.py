@@ -13,7 +13,7 @@ import torch
 
 from boosttune.core.progress import progress
 from boosttune.core.prompts import Prompt, encode_prompt
-from boosttune.train.teacher import generate_batch, local_backend
+from boosttune.train.teacher.local import generate_batch, local_backend
 
 _ASK = ("Here is an example of a {category} request someone might give an AI assistant:\n\n{seed}\n\n"
         "Write one new, different {category} request. Reply with the request only.")

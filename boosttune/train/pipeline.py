@@ -49,13 +49,8 @@ from boosttune.train.draft_ranking import ensure_draft_ranking
 from boosttune.train.faults import crash_point
 from boosttune.train.matching import is_match, summarize_agreement, teacher_forced_agreement
 from boosttune.train.sources import TrainPrompt, collect_prompts, default_seeds
-from boosttune.train.teacher import (
-    load_features,
-    load_teacher,
-    missing_shards,
-    remove_shard_temporaries,
-    run_teacher,
-)
+from boosttune.train.teacher.backends import backend_for, run_teacher
+from boosttune.train.teacher.shards import load_features, load_teacher, remove_shard_temporaries
 
 # Fields that may differ when a run is resumed (how it runs, not what it computes).
 _RESUMABLE_CHANGES = ("optim.devices", "optim.num_nodes", "optim.accelerator", "optim.strategy", "optim.logger",
@@ -188,7 +183,7 @@ def build_prompts(cfg: TrainConfig, run: RunDir, llm) -> dict:
         llm.model.config._attn_implementation = cfg.teacher.attn_implementation
         new = grow_prompts(llm.model, llm.tokenizer, default_seeds(), cfg.prompts.grow, eos_token_ids(llm),
                            seed=cfg.prompts.shuffle_seed, batch_size=cfg.teacher.batch_size,
-                           backend=cfg.teacher.backend if cfg.teacher.backend in ("batched", "hf") else "auto")
+                           backend=backend_for(cfg.teacher).decoder)
         from boosttune.core.prompts import encode_prompt
 
         for p in new:
@@ -518,13 +513,7 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
     dist.barrier()
     check_or_save_config(cfg, run)
     t_start = time.perf_counter()
-    info = run.prompts_info()
-    if cfg.teacher.backend == "openai" and (info is None or missing_shards(run, info["count"], cfg.teacher.shard_size)):
-        from transformers import AutoTokenizer
-
-        from boosttune.train.teacher_openai import check_endpoint
-
-        check_endpoint(cfg.teacher, AutoTokenizer.from_pretrained(resolve_model_path(cfg.llm.ref)))  # before weights
+    backend_for(cfg.teacher).preflight(cfg.llm.ref, run)  # before weights
     teacher_dtype = parse_dtype(cfg.llm.teacher_dtype, _device(cfg))
     llm = load_model(cfg.llm.ref, teacher_dtype, device=_device(cfg))
     pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else min(eos_token_ids(llm))

@@ -3,10 +3,13 @@
 On a cluster the LLM's continuations come from a serving fleet (vLLM, SGLang, llama-server, or
 `boosttune serve`) rather than from HF ``generate`` in the training job. This backend sends every
 prompt, already token ids, to ``POST {teacher.endpoint}/completions`` (all of those servers take a
-list of ints as the prompt) and writes the same shards as :func:`boosttune.train.teacher.run_teacher`
-(same schema, same resumption: a shard is written whole once all its prompts are answered).
+list of ints as the prompt) and writes the same shards as the local backends
+(:mod:`boosttune.train.teacher.shards`: same schema, same resumption: a shard is written whole once
+all its prompts are answered).
 
-Before any shard is generated, :meth:`OpenAITeacher.preflight` checks, in one or two seconds:
+Before the LLM's weights load, :meth:`OpenAIBackend.preflight` checks the server's model and
+tokenizer, so that a wrong endpoint fails in seconds. Before any shard is generated,
+:meth:`OpenAITeacher.preflight` checks, in one or two seconds:
 
 - the server answers ``GET /models`` and serves ``teacher.model`` (empty: its first model);
 - its tokenizer is the LLM's: probe texts (multilingual, code, whitespace runs) are sent as text
@@ -41,12 +44,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from transformers import AutoTokenizer
 
 from boosttune.config import TeacherConfig
+from boosttune.core.models import resolve_model_path
 from boosttune.core.progress import progress
 from boosttune.core.rundir import RunDir
 from boosttune.train.sources import TrainPrompt
-from boosttune.train.teacher import Continuation, cut_at_eos, my_shards, num_shards, write_shard
+from boosttune.train.teacher.base import TeacherBackend
+from boosttune.train.teacher.shards import (
+    Continuation,
+    cut_at_eos,
+    missing_shards,
+    pending_shards,
+    shard_prompts,
+    write_shard,
+)
 
 # Texts whose tokenisation differs between tokenizers: scripts, emoji, code, runs of spaces/tabs/newlines.
 PROBE_TEXTS = (
@@ -438,8 +451,7 @@ def run_openai_teacher(
 ) -> dict:
     """Write this rank's missing shards from the server's answers; returns what this call generated."""
     run.teacher_dir.mkdir(parents=True, exist_ok=True)
-    n = num_shards(len(prompts), cfg.shard_size)
-    todo = [k for k in my_shards(n, rank, world) if not run.teacher_shard(k).exists()]
+    todo = pending_shards(run, len(prompts), cfg.shard_size, rank, world)
     result = {"shards_written": 0, "tokens": 0, "seconds": 0.0, "backend": "openai", "tokens_per_s": 0.0,
               "endpoint": cfg.endpoint, "token_ids": IdStats().as_dict()}
     if not todo:  # nothing to ask: a finished phase resumes without the server
@@ -448,7 +460,7 @@ def run_openai_teacher(
     try:
         info = teacher.preflight(prompts[todo[0] * cfg.shard_size].input_ids)
         tokens, t0, ids = 0, time.perf_counter(), IdStats()
-        n_todo = sum(len(prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size]) for k in todo)
+        n_todo = sum(len(shard_prompts(prompts, k, cfg.shard_size)) for k in todo)
         bar = progress(total=n_todo, desc=f"teacher[rank {rank}, openai {info.owned_by or 'server'}]", unit="prompt")
 
         def done(c: Continuation) -> None:
@@ -460,7 +472,7 @@ def run_openai_teacher(
         with ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="teacher-http") as pool:
             for k in todo:
                 lo = k * cfg.shard_size
-                shard = list(prompts[lo:lo + cfg.shard_size])
+                shard = shard_prompts(prompts, k, cfg.shard_size)
                 conts, s = teacher.generate([p.input_ids for p in shard],
                                             [prompt_seed(seed, lo + i) for i in range(len(shard))], pool, done)
                 ids.add(s)
@@ -473,3 +485,20 @@ def run_openai_teacher(
                   tokens_per_s=tokens / secs if secs > 0 and tokens else 0.0,
                   server={"model": info.model, "owned_by": info.owned_by, "tokenizer_check": info.tokenizer_check})
     return result
+
+
+class OpenAIBackend(TeacherBackend):
+    """``teacher.backend: openai``: an OpenAI-compatible completions server at ``teacher.endpoint``."""
+
+    def preflight(self, llm_ref: str, run: RunDir) -> None:
+        """The server's model and tokenizer checked before the LLM's weights load, unless every shard
+        is written already (a finished phase resumes without the server)."""
+        info = run.prompts_info()
+        if info is not None and not missing_shards(run, info["count"], self.cfg.shard_size):
+            return
+        check_endpoint(self.cfg, AutoTokenizer.from_pretrained(resolve_model_path(llm_ref)))
+
+    def run(self, model, tokenizer, prompts: Sequence[TrainPrompt], run: RunDir, eos_ids: frozenset[int], *,
+            rank: int = 0, world: int = 1, seed: int = 0, features: bool = False) -> dict:
+        """See :meth:`TeacherBackend.run`; ``model`` and ``features`` are unused (the server has the LLM)."""
+        return run_openai_teacher(tokenizer, prompts, self.cfg, run, eos_ids, rank=rank, world=world, seed=seed)
