@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from boosttune.cli import main
 from boosttune.core.files import atomic_write_json, mark_complete
 from boosttune.core.rundir import REPORT_FORMAT, RunDir
-from boosttune.export_gguf import (
+from boosttune.export.gguf import (
     GGUFField,
     add_fields,
     export_gguf,
@@ -39,8 +39,8 @@ from boosttune.export_gguf import (
     read_fields,
     rope_to_ggml,
 )
-from boosttune.export_hf import export_hf
-from boosttune.gguf_compat import check_draft_gguf, draft_incompatibilities, read_vocab
+from boosttune.export.hf import export_hf
+from boosttune.export.gguf_compat import check_draft_gguf, draft_incompatibilities, read_vocab
 
 SMALL_VOCAB = 64
 BOS, EOS = 1, 2

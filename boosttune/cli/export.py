@@ -1,9 +1,9 @@
 """`boosttune export RUN_DIR --out OUT [--format bundle|hf|gguf]`: a training run's SSMs for serving.
 
-``bundle`` (default) is boosttune's own servable bundle (``boosttune/export.py``); ``hf`` writes each
+``bundle`` (default) is boosttune's own servable bundle (``boosttune/export/bundle.py``); ``hf`` writes each
 SSM as a Hugging Face model folder for vLLM, SGLang and transformers assisted generation
-(``boosttune/export_hf.py``); ``gguf`` writes each SSM as a llama.cpp draft model
-(``boosttune/export_gguf.py``).
+(``boosttune/export/hf.py``); ``gguf`` writes each SSM as a llama.cpp draft model
+(``boosttune/export/gguf.py``).
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import argparse
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from boosttune.export import Choice
+    from boosttune.export.bundle import Choice
 
 FORMATS = ("bundle", "hf", "gguf")
 
 
 def add_commands(sub) -> dict:
     """Add the export subcommand; returns its handler by name."""
-    from boosttune.export_gguf import GGUF_TYPES
+    from boosttune.export.gguf import GGUF_TYPES
 
     e = sub.add_parser("export", help="write a run's SSMs for serving: a boosttune bundle (manifest, tokenizer, SSMs, "
                                       "scheduler), Hugging Face model folders, or llama.cpp GGUF draft models")
@@ -71,7 +71,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _export_bundle(args: argparse.Namespace) -> int:
     from boosttune.core.rundir import RunDir
-    from boosttune.export import export_bundle
+    from boosttune.export.bundle import export_bundle
     from boosttune.train.draft_ranking import ensure_draft_ranking
 
     if args.draft_vocab is not None and args.draft_vocab < 0:
@@ -107,7 +107,7 @@ def _choice_line(choice: Choice) -> str:
 
 
 def _export_hf(args: argparse.Namespace) -> int:
-    from boosttune.export_hf import export_hf
+    from boosttune.export.hf import export_hf
 
     res = export_hf(args.run_dir, args.out, force=args.force)
     names = ", ".join(p.name for p in res.models)
@@ -118,7 +118,7 @@ def _export_hf(args: argparse.Namespace) -> int:
 
 
 def _export_gguf(args: argparse.Namespace) -> int:
-    from boosttune.export_gguf import GGUF_TYPES, export_gguf
+    from boosttune.export.gguf import GGUF_TYPES, export_gguf
 
     res = export_gguf(args.run_dir, args.out, gguf_type=args.gguf_type or GGUF_TYPES[0], llm_gguf=args.llm_gguf,
                       force=args.force)

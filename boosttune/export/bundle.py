@@ -23,7 +23,7 @@ from pathlib import Path
 from boosttune.core.feature_head import FEATURE_FILE
 from boosttune.core.files import is_complete, sha256_file
 from boosttune.core.rundir import FEATURE_NAME, RunDir
-from boosttune.export_common import atomic_dir, check_out, tree_bytes, weight_files
+from boosttune.export.common import atomic_dir, check_out, tree_bytes, weight_files
 from boosttune.scheduler.persist import SchedulerFileError
 from boosttune.scheduler.policy import Scheduler
 from boosttune.serving.builders import TreeConfig
