@@ -1,26 +1,33 @@
-"""What the engine exports (``--format hf`` and ``--format gguf``) share: the run's SSMs and the
-atomic output directory.
+"""What every exporter (``bundle``, ``hf``, ``gguf``) shares: the run's SSM directories, each checked
+by one function, and the atomic output directory.
 
-Both formats export every complete SSM of a run (``RunDir.ssm_dirs()``, the same ones the bundle
-export carries), each checked before any file is written: safetensors weights, a config.json, and
-the LLM's tokenizer. The output is written into a temporary sibling of ``--out`` and renamed into
-place at the end, as ``export_bundle`` does, so an interrupted export never leaves half a folder.
+``checked_ssm_dir`` is the one check of an SSM directory, called by every exporter for every SSM it
+writes, before any file is written: the completion marker, safetensors weights (exports never carry
+pickled weights), a config.json, a readable stats.json (required by the bundle, whose manifest lists
+it), and the LLM's tokenizer. ``read_run`` gives the engine exports (``hf``, ``gguf``) every complete
+SSM of a run (``RunDir.ssm_dirs()``, the same ones the bundle export carries), checked. The output is
+written into a temporary sibling of ``--out`` and renamed into place at the end, so an interrupted
+export never leaves half a folder.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from boosttune.core.files import MARKER, is_complete
 from boosttune.core.rundir import RunDir
 
 STATS = "stats.json"
+"""An SSM's training statistics, written by its stage beside the weights."""
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 @dataclass(frozen=True)
@@ -52,23 +59,16 @@ class RunInfo:
     ssms: list[RunSSM]
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    return data if isinstance(data, dict) else {}
+@dataclass(frozen=True)
+class CheckedSSM:
+    """An SSM directory that ``checked_ssm_dir`` accepted: what an exporter copies from it."""
 
-
-def _check_ssm_files(src: Path) -> None:
-    if not any(p.name.endswith(".safetensors") for p in src.iterdir() if p.is_file()):
-        raise ValueError(
-            f"SSM {src} has no *.safetensors weights; re-save it with save_pretrained(..., safe_serialization=True)"
-        )
-    if not (src / "config.json").is_file():
-        raise ValueError(f"SSM {src} has no config.json; is it a transformers save_pretrained directory?")
+    dir: Path
+    """The ``save_pretrained`` directory in the run."""
+    weights: list[str]
+    """Its safetensors files (and shard index), sorted (``weight_files``)."""
+    stats: dict
+    """Its stats.json (empty when absent, or when it holds no JSON object)."""
 
 
 def weight_files(src: Path) -> list[str]:
@@ -77,31 +77,82 @@ def weight_files(src: Path) -> list[str]:
                   if p.is_file() and p.name.endswith((".safetensors", ".safetensors.index.json")))
 
 
-def read_run(run_dir: str | Path) -> RunInfo:
-    """The run's LLM and complete SSMs, with a clear error for anything export cannot use."""
+def checked_ssm_dir(src: Path, llm_vocab: Callable[[], dict[str, int]], require_stats: bool = False) -> CheckedSSM:
+    """Check that ``src`` is an SSM directory an export can use; raise ValueError naming it and the fix.
+
+    The one check of an SSM directory that every exporter runs, so that a bundle, a Hugging Face
+    folder and a GGUF file refuse the same damaged SSM with the same message.
+
+    Args:
+        src: the SSM's ``save_pretrained`` directory in the run (an ``ssm-K`` or the feature head).
+        llm_vocab: the LLM tokenizer's vocabulary, called only when ``src`` carries tokenizer files
+            (loading a tokenizer takes a while; callers pass one cached loader for all their SSMs).
+        require_stats: refuse an SSM without stats.json (the bundle lists it in its manifest; the
+            engine exports only quote it in model cards).
+    """
     from transformers import AutoTokenizer
 
+    if not is_complete(src):
+        raise ValueError(f"SSM {src} is not complete (no {MARKER}); finish `boosttune train` (it resumes) first")
+    weights = weight_files(src)
+    if not any(w.endswith(".safetensors") for w in weights):
+        raise ValueError(
+            f"SSM {src} has no *.safetensors weights (exports never carry pickled weights); "
+            "re-save it with save_pretrained(..., safe_serialization=True)"
+        )
+    if not (src / "config.json").is_file():
+        raise ValueError(f"SSM {src} has no config.json; is it a transformers save_pretrained directory?")
+    stats_file = src / STATS
+    if require_stats and not stats_file.is_file():
+        raise ValueError(f"SSM {src} has no {STATS}; the run's stage did not finish writing it")
+    stats: dict = {}
+    if stats_file.is_file():
+        try:
+            data = json.loads(stats_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{stats_file}: not valid JSON ({e})") from None
+        stats = data if isinstance(data, dict) else {}
+    if any((src / n).is_file() for n in _TOKENIZER_FILES):
+        if AutoTokenizer.from_pretrained(src).get_vocab() != llm_vocab():
+            raise ValueError(f"SSM {src} has a different tokenizer from the LLM's; SSMs must use the LLM's tokenizer")
+    return CheckedSSM(dir=src, weights=weights, stats=stats)
+
+
+def llm_vocab_loader(llm_dir: Path) -> Callable[[], dict[str, int]]:
+    """The LLM tokenizer's vocabulary, loaded on the first call only (``checked_ssm_dir``'s argument)."""
+
+    @functools.cache
+    def load() -> dict[str, int]:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(llm_dir).get_vocab()
+
+    return load
+
+
+def stage_entries(run: RunDir, report: dict) -> dict[str, dict]:
+    """The run report's stage entries, by the SSM directory each trained (as ``str(run.root / ssm_dir)``)."""
+    return {str(run.root / s["ssm_dir"]): s for s in report.get("stages", []) if isinstance(s, dict) and "ssm_dir" in s}
+
+
+def read_run(run_dir: str | Path) -> RunInfo:
+    """The run's LLM and complete SSMs, with a clear error for anything export cannot use."""
     run = RunDir(run_dir)
     report = run.read_report()
     dirs = run.ssm_dirs()
     if not dirs:
         raise ValueError(f"{run}: no complete SSM under ssms/ (no complete.json); finish `boosttune train` first")
     llm_dir = run.llm_dir()
-    stages = {str(run.root / s["ssm_dir"]): s for s in report.get("stages", []) if isinstance(s, dict) and "ssm_dir" in s}
+    stages = stage_entries(run, report)
     singles = (report.get("evaluation") or {}).get("singles") or []
     evaluated = {s.get("ssm"): s for s in singles if isinstance(s, dict)}
-    llm_vocab = None
+    llm_vocab = llm_vocab_loader(llm_dir)
     ssms = []
     for k, src in enumerate(dirs, start=1):
-        _check_ssm_files(src)
-        if any((src / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
-            if llm_vocab is None:
-                llm_vocab = AutoTokenizer.from_pretrained(llm_dir).get_vocab()
-            if AutoTokenizer.from_pretrained(src).get_vocab() != llm_vocab:
-                raise ValueError(f"SSM {src} has a different tokenizer from the LLM's; SSMs must use the LLM's tokenizer")
+        checked = checked_ssm_dir(src, llm_vocab)
         stage = stages.get(str(src), {})
         ssms.append(RunSSM(name=src.name, dir=src, stage=int(stage.get("stage", k)), report=stage,
-                           stats=_read_json(src / STATS), evaluation=evaluated.get(src.name, {})))
+                           stats=checked.stats, evaluation=evaluated.get(src.name, {})))
     return RunInfo(run=run, llm_ref=str(report["llm"]["ref"]), llm_dir=llm_dir, report=report, ssms=ssms)
 
 
