@@ -43,8 +43,8 @@ from boosttune.export.gguf import (
     read_fields,
     rope_to_ggml,
 )
-from boosttune.export.hf import export_hf
 from boosttune.export.gguf_compat import check_draft_gguf, draft_incompatibilities, read_vocab
+from boosttune.export.hf import export_hf
 
 SMALL_VOCAB = 64
 BOS, EOS = 1, 2
