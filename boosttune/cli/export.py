@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from boosttune.cli.flags import add_draft_vocab_arg, add_prompt_lookup_arg
+
 if TYPE_CHECKING:
     from boosttune.export.bundle import Choice
 
@@ -35,13 +37,9 @@ def add_commands(sub) -> dict:
                         "feature head); without a learned scheduler every request drafts with all of them. "
                         "Default: with a scheduler, the drafters it chooses among; without one, what the run's "
                         "evaluation measured fastest (one SSM, the feature head, or all SSMs merged)")
-    e.add_argument("--draft-vocab", type=int, default=None, metavar="K",
-                   help="bundle: SSMs draft over the K tokens the LLM writes most (cheaper drafts; 0: whole "
-                        "vocabulary; default: the run's tree)")
-    e.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
-                   help="bundle: serve with a prompt-lookup drafter proposing up to N tokens when no learned "
-                        "scheduler decides (no scheduler in the bundle, or serve --no-scheduler); 0 = off; default: "
-                        "as the run's evaluation measured fastest with the drafters export chose, else off")
+    add_draft_vocab_arg(e, default="the run's tree's", scope="bundle")
+    add_prompt_lookup_arg(e, default="as the run's evaluation measured fastest with the drafters export chose, "
+                                     "else off", scope="bundle")
     e.add_argument("--gguf-type", choices=GGUF_TYPES, default=None,
                    help=f"gguf: weight type of the files (default {GGUF_TYPES[0]}; norms stay f32)")
     e.add_argument("--llm-gguf", default=None, metavar="PATH",
