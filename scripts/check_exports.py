@@ -20,8 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from boosttune.core.rundir import RunDir
-from boosttune.export_gguf import export_gguf, gguf_file_name
-from boosttune.export_hf import export_hf
+from boosttune.export.gguf import export_gguf, gguf_file_name
+from boosttune.export.hf import export_hf
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:

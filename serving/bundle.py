@@ -1,6 +1,6 @@
 """Bundles: everything `boosttune serve` needs, in one directory, validated before use.
 
-A bundle is written by ``boosttune export`` (``boosttune/export.py``) from a training run::
+A bundle is written by ``boosttune export`` (``boosttune/export/bundle.py``) from a training run::
 
     BUNDLE/
       manifest.json                 what is here (format below); written last

@@ -14,7 +14,7 @@ from boosttune.cli import main
 from boosttune.config import SchedulerConfig
 from boosttune.core.files import atomic_write_json, sha256_file
 from boosttune.core.rundir import REPORT_FORMAT, RunDir
-from boosttune.export import export_bundle
+from boosttune.export.bundle import export_bundle
 from boosttune.scheduler.offline.train import fit_scheduler
 from boosttune.serving.bundle import load_bundle, verify_bundle
 from boosttune.serving.manifest import BUNDLE_FORMAT, MANIFEST, BundleError, parse_manifest
@@ -445,7 +445,7 @@ def _evaluation(speedups: dict[str, float]) -> dict:
 
 
 def test_fastest_drafters_picks_the_measured_best_among_what_ships():
-    from boosttune.export import fastest_drafters
+    from boosttune.export.bundle import fastest_drafters
 
     ev = _evaluation({"ssm-1": 1.05, "ssm-2": 1.17, "feature": 1.39, "ensemble": 0.7})
     best = fastest_drafters(ev, ["ssm-1", "ssm-2", "feature"])
@@ -464,7 +464,7 @@ def test_fastest_drafters_picks_the_measured_best_among_what_ships():
 
 
 def test_fastest_drafters_weighs_prompt_lookup_where_the_evaluation_measured_it(tmp_path):
-    from boosttune.export import fastest_drafters
+    from boosttune.export.bundle import fastest_drafters
 
     ev = _evaluation({"ssm-1": 1.05, "ssm-2": 1.17, "feature": 1.39})
     ev["feature"]["lookup"] = {"prompt_lookup": 8, "tau": 1.9, "speedup": 1.52}

@@ -6,13 +6,15 @@ Two runs:
 - ``small_run``: an LLM with a 64-token vocabulary and its own vocabulary-only "LLM GGUF", so that
   transformers' GGUF reader (which parses the whole token list, ~10 s for SmolLM2's 49k) loads the
   exports in a fraction of a second; its SSMs are one tied and one untied llama, so both head layouts
-  are written. It also makes llama.cpp's rules cheap to break one at a time in real files.
+  are written. It also makes llama.cpp's rules cheap to break one at a time in real files, and a
+  damaged SSM cheap to offer to every exporter (the bundle's too: they share one SSM check).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -29,9 +31,11 @@ from bundle_fixtures import make_run_dir, one_torch_thread  # noqa: F401  (fixtu
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from boosttune.cli import main
-from boosttune.core.files import atomic_write_json, mark_complete
+from boosttune.core.files import MARKER, atomic_write_json, mark_complete
 from boosttune.core.rundir import REPORT_FORMAT, RunDir
-from boosttune.export_gguf import (
+from boosttune.export.bundle import export_bundle
+from boosttune.export.common import checked_ssm_dir, llm_vocab_loader
+from boosttune.export.gguf import (
     GGUFField,
     add_fields,
     export_gguf,
@@ -39,8 +43,8 @@ from boosttune.export_gguf import (
     read_fields,
     rope_to_ggml,
 )
-from boosttune.export_hf import export_hf
-from boosttune.gguf_compat import check_draft_gguf, draft_incompatibilities, read_vocab
+from boosttune.export.gguf_compat import check_draft_gguf, draft_incompatibilities, read_vocab
+from boosttune.export.hf import export_hf
 
 SMALL_VOCAB = 64
 BOS, EOS = 1, 2
@@ -191,6 +195,55 @@ def test_hf_export_refuses_bad_outputs_and_runs(smol_run, tmp_path):
     with pytest.raises(ValueError, match="no complete SSM"):
         export_hf(empty, tmp_path / "never")
     assert not (tmp_path / "never").exists()
+
+
+# ------------------------------------------------------------------ every exporter: one SSM check
+def _other_tokenizer(ssm: Path) -> None:
+    tok = _small_tokenizer()
+    tok.add_tokens(["not-the-llms"])
+    tok.save_pretrained(ssm)
+
+
+SSM_DAMAGE = {  # name -> (damage, what the refusal says)
+    "pickled weights": (lambda d: (d / "model.safetensors").rename(d / "pytorch_model.bin"),
+                        r"has no \*\.safetensors weights .*safe_serialization=True"),
+    "no config": (lambda d: (d / "config.json").unlink(), "has no config.json; is it a transformers save_pretrained"),
+    "broken stats": (lambda d: (d / "stats.json").write_text("{"), "stats.json: not valid JSON"),
+    "other tokenizer": (_other_tokenizer, "different tokenizer from the LLM's; SSMs must use the LLM's tokenizer"),
+}
+
+
+@pytest.mark.parametrize("fmt", ["bundle", "hf", "gguf"])
+@pytest.mark.parametrize("damage", sorted(SSM_DAMAGE))
+def test_every_exporter_refuses_a_damaged_ssm_naming_it(small_run, tmp_path, fmt, damage):
+    """The bundle, Hugging Face and GGUF exports share one SSM check: the same refusal, before writing."""
+    run = tmp_path / "run"
+    shutil.copytree(small_run["run"], run)
+    ssm = RunDir(run).ssm_dir(2)
+    harm, message = SSM_DAMAGE[damage]
+    harm(ssm)
+    out = tmp_path / "out"
+    export = {"bundle": lambda: export_bundle(run, out), "hf": lambda: export_hf(run, out),
+              "gguf": lambda: export_gguf(run, out, llm_gguf=small_run["llm_gguf"])}[fmt]
+    with pytest.raises(ValueError, match=message) as e:
+        export()
+    assert str(ssm) in str(e.value)
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_ssm_check_needs_the_marker_and_for_a_bundle_the_stats(small_run, tmp_path):
+    src = tmp_path / "ssm"
+    shutil.copytree(RunDir(small_run["run"]).ssm_dir(1), src)
+    vocab = llm_vocab_loader(small_run["llm_dir"])
+    checked = checked_ssm_dir(src, vocab, require_stats=True)
+    assert checked.weights == ["model.safetensors"] and checked.stats == {"train_loss": 0.5, "heldout_top1": 0.25}
+    (src / "stats.json").unlink()
+    assert checked_ssm_dir(src, vocab).stats == {}  # the engine exports only quote stats in model cards
+    with pytest.raises(ValueError, match=f"SSM {re.escape(str(src))} has no stats.json"):
+        checked_ssm_dir(src, vocab, require_stats=True)
+    (src / MARKER).unlink()
+    with pytest.raises(ValueError, match=f"SSM {re.escape(str(src))} is not complete \\(no {MARKER}\\); finish `boosttune train`"):
+        checked_ssm_dir(src, vocab)
 
 
 # ------------------------------------------------------------------------------------------- gguf

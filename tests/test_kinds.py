@@ -12,7 +12,7 @@ from bundle_fixtures import make_run_dir, one_torch_thread  # noqa: F401 (autous
 from boosttune.assemble import from_bundle
 from boosttune.core.kind_file import KIND_FILE, declare_kind, declared_kind
 from boosttune.core.rundir import RunDir
-from boosttune.export import export_bundle
+from boosttune.export.bundle import export_bundle
 from boosttune.serving import kinds
 from boosttune.serving.bundle import load_bundle, verify_bundle
 from boosttune.serving.decode import incremental_generate

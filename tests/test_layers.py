@@ -23,8 +23,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("boosttune.kernels", "boosttune.core", "boosttune.data"),  # tree attention; models, run dirs, files, prompts
     ("boosttune.serving",),  # the engine: trees, drafters, verification, caches; manifests and bundles
     ("boosttune.scheduler",),  # the learned scheduler at serve time: features, model, costs, policy
-    ("boosttune",),  # config, assemble (the one engine assembly), export, bench
-    ("boosttune.scheduler.offline", "boosttune.serving.http"),  # training the scheduler; the HTTP server
+    ("boosttune",),  # config, assemble (the one engine assembly), bench
+    # training the scheduler; the HTTP server; export (above boosttune: a bundle records its __version__)
+    ("boosttune.scheduler.offline", "boosttune.serving.http", "boosttune.export"),
     ("boosttune.train",),  # the boost-tuning pipeline (its last phase trains the scheduler)
     ("boosttune.cli",),  # the commands
 ]

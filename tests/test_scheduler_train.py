@@ -125,7 +125,7 @@ def test_server_uses_the_exported_scheduler_and_stays_lossless(run_dir, tmp_path
 
     from boosttune.core.models import eos_token_ids
     from boosttune.core.prompts import encode_prompt
-    from boosttune.export import export_bundle
+    from boosttune.export.bundle import export_bundle
     from boosttune.serving.bundle import load_bundle
     from boosttune.serving.decode import incremental_generate
     from boosttune.serving.http.server import ServerConfig, ServerThread, create_app
@@ -162,7 +162,7 @@ def test_generate_serve_and_bench_assemble_the_same_engine_from_one_bundle(run_d
     import uvicorn
 
     from boosttune import assemble
-    from boosttune.export import export_bundle
+    from boosttune.export.bundle import export_bundle
     from boosttune.serving.lookup import LOOKUP_NAME
 
     assert (run_dir / "scheduler" / "scheduler.json").is_file()  # written by the first test

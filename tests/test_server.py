@@ -24,7 +24,7 @@ from openai import OpenAI
 from boosttune.cli import main
 from boosttune.core.models import eos_token_ids
 from boosttune.core.prompts import encode_prompt
-from boosttune.export import export_bundle
+from boosttune.export.bundle import export_bundle
 from boosttune.serving.bundle import load_bundle
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.engine import GenerationResult

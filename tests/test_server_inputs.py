@@ -15,7 +15,7 @@ from bundle_fixtures import make_run_dir, one_torch_thread  # noqa: F401 (autous
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from boosttune.export import export_bundle
+from boosttune.export.bundle import export_bundle
 from boosttune.serving.bundle import load_bundle
 from boosttune.serving.http.server import ServerConfig, ServerThread, create_app
 

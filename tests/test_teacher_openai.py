@@ -30,7 +30,7 @@ from boosttune.config import ConfigError, TeacherConfig, load_config
 from boosttune.core.models import TINY_LLM, eos_token_ids, load_model
 from boosttune.core.prompts import encode_prompt
 from boosttune.core.rundir import RunDir
-from boosttune.export import export_bundle
+from boosttune.export.bundle import export_bundle
 from boosttune.train.sources import TrainPrompt
 from boosttune.train.teacher.backends import run_teacher
 from boosttune.train.teacher.openai_server import PROBE_TEXTS, OpenAITeacher, TeacherServerError

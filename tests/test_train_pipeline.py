@@ -316,7 +316,7 @@ def test_feature_head_trains_after_the_ssms_and_is_evaluated(tmp_path: Path) -> 
     assert report["feature"]["train"]["steps"] == 3 and report["evaluation"]["feature"]["tau"] >= 1.0
 
     from boosttune.assemble import load
-    from boosttune.export import export_bundle
+    from boosttune.export.bundle import export_bundle
     from boosttune.serving.decode import incremental_generate
     from boosttune.serving.feature_drafter import FeatureDrafter
     from boosttune.serving.stops import StopCriteria

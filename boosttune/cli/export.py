@@ -1,9 +1,9 @@
 """`boosttune export RUN_DIR --out OUT [--format bundle|hf|gguf]`: a training run's SSMs for serving.
 
-``bundle`` (default) is boosttune's own servable bundle (``boosttune/export.py``); ``hf`` writes each
+``bundle`` (default) is boosttune's own servable bundle (``boosttune/export/bundle.py``); ``hf`` writes each
 SSM as a Hugging Face model folder for vLLM, SGLang and transformers assisted generation
-(``boosttune/export_hf.py``); ``gguf`` writes each SSM as a llama.cpp draft model
-(``boosttune/export_gguf.py``).
+(``boosttune/export/hf.py``); ``gguf`` writes each SSM as a llama.cpp draft model
+(``boosttune/export/gguf.py``).
 """
 
 from __future__ import annotations
@@ -11,15 +11,17 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from boosttune.cli.flags import add_draft_vocab_arg, add_prompt_lookup_arg
+
 if TYPE_CHECKING:
-    from boosttune.export import Choice
+    from boosttune.export.bundle import Choice
 
 FORMATS = ("bundle", "hf", "gguf")
 
 
 def add_commands(sub) -> dict:
     """Add the export subcommand; returns its handler by name."""
-    from boosttune.export_gguf import GGUF_TYPES
+    from boosttune.export.gguf import GGUF_TYPES
 
     e = sub.add_parser("export", help="write a run's SSMs for serving: a boosttune bundle (manifest, tokenizer, SSMs, "
                                       "scheduler), Hugging Face model folders, or llama.cpp GGUF draft models")
@@ -35,13 +37,9 @@ def add_commands(sub) -> dict:
                         "feature head); without a learned scheduler every request drafts with all of them. "
                         "Default: with a scheduler, the drafters it chooses among; without one, what the run's "
                         "evaluation measured fastest (one SSM, the feature head, or all SSMs merged)")
-    e.add_argument("--draft-vocab", type=int, default=None, metavar="K",
-                   help="bundle: SSMs draft over the K tokens the LLM writes most (cheaper drafts; 0: whole "
-                        "vocabulary; default: the run's tree)")
-    e.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
-                   help="bundle: serve with a prompt-lookup drafter proposing up to N tokens when no learned "
-                        "scheduler decides (no scheduler in the bundle, or serve --no-scheduler); 0 = off; default: "
-                        "as the run's evaluation measured fastest with the drafters export chose, else off")
+    add_draft_vocab_arg(e, default="the run's tree's", scope="bundle")
+    add_prompt_lookup_arg(e, default="as the run's evaluation measured fastest with the drafters export chose, "
+                                     "else off", scope="bundle")
     e.add_argument("--gguf-type", choices=GGUF_TYPES, default=None,
                    help=f"gguf: weight type of the files (default {GGUF_TYPES[0]}; norms stay f32)")
     e.add_argument("--llm-gguf", default=None, metavar="PATH",
@@ -71,7 +69,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _export_bundle(args: argparse.Namespace) -> int:
     from boosttune.core.rundir import RunDir
-    from boosttune.export import export_bundle
+    from boosttune.export.bundle import export_bundle
     from boosttune.train.draft_ranking import ensure_draft_ranking
 
     if args.draft_vocab is not None and args.draft_vocab < 0:
@@ -107,7 +105,7 @@ def _choice_line(choice: Choice) -> str:
 
 
 def _export_hf(args: argparse.Namespace) -> int:
-    from boosttune.export_hf import export_hf
+    from boosttune.export.hf import export_hf
 
     res = export_hf(args.run_dir, args.out, force=args.force)
     names = ", ".join(p.name for p in res.models)
@@ -118,7 +116,7 @@ def _export_hf(args: argparse.Namespace) -> int:
 
 
 def _export_gguf(args: argparse.Namespace) -> int:
-    from boosttune.export_gguf import GGUF_TYPES, export_gguf
+    from boosttune.export.gguf import GGUF_TYPES, export_gguf
 
     res = export_gguf(args.run_dir, args.out, gguf_type=args.gguf_type or GGUF_TYPES[0], llm_gguf=args.llm_gguf,
                       force=args.force)

@@ -2,7 +2,9 @@
 
 Tree and prompt-lookup flags default to None: unset, they take a bundle's defaults (or the tree
 config's ``TreeConfig()`` without a bundle), so the same bundle decodes with the same drafters in
-`generate`, `bench` and `serve` (``boosttune/assemble.py``).
+`generate`, `bench` and `serve` (``boosttune/assemble.py``). ``--draft-vocab`` and ``--prompt-lookup``
+are also what `export` writes into a bundle as its defaults, so each is declared once here
+(``add_draft_vocab_arg``, ``add_prompt_lookup_arg``) and says the same thing in every command.
 """
 
 from __future__ import annotations
@@ -28,6 +30,39 @@ def int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,1,3,1, got {text!r}") from None
 
 
+def _scoped(scope: str, text: str) -> str:
+    return f"{scope}: {text}" if scope else text
+
+
+def add_draft_vocab_arg(p: argparse.ArgumentParser, default: str, scope: str = "") -> None:
+    """--draft-vocab K, with one help text wherever it is offered.
+
+    Args:
+        p: the command's parser.
+        default: what the flag means when unset, in this command.
+        scope: the ``--format`` it applies to, shown first in the help (empty: the command has no formats).
+    """
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="K",
+                   help=_scoped(scope, "SSMs draft over the K tokens the LLM writes most: K rows of their LM head "
+                                       f"instead of all (cheaper drafts, still lossless); 0 = the whole vocabulary; "
+                                       f"default: {default}"))
+
+
+def add_prompt_lookup_arg(p: argparse.ArgumentParser, default: str, scope: str = "") -> None:
+    """--prompt-lookup N, with one help text wherever it is offered.
+
+    Args:
+        p: the command's parser.
+        default: what the flag means when unset, in this command.
+        scope: the ``--format`` it applies to, shown first in the help (empty: the command has no formats).
+    """
+    p.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
+                   help=_scoped(scope, "also draft up to N tokens copied from where the newest 1-3 tokens occurred "
+                                       "before in the prompt or the answer (prompt lookup; free to draft), where no "
+                                       "learned scheduler decides (a bundle without one, or --no-scheduler); "
+                                       f"0 = off; default: {default}"))
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """--llm, --ssm, the dtypes, the tree flags, --draft-vocab/--draft-ranking and --prompt-lookup."""
     default = TreeConfig()
@@ -49,16 +84,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, default=None, help=f"dynamic: nodes kept, greedy (default {default.budget})")
     p.add_argument("--min-prob", type=float, default=None,
                    help="stop expanding branches whose cumulative draft probability is below this (default 0 = never)")
-    p.add_argument("--draft-vocab", type=int, default=None, metavar="K",
-                   help="SSMs draft over the K tokens the LLM writes most: K rows of their LM head instead of "
-                        "all (cheaper drafts, still lossless); 0 = the whole vocabulary (the default)")
+    add_draft_vocab_arg(p, default="the bundle's tree's, else the whole vocabulary")
     p.add_argument("--draft-ranking", default=None, metavar="PATH",
                    help="the token ranking for --draft-vocab (draft_vocab.json or its run directory; default: "
                         "the bundle's, or found next to the first --ssm or in its run directory)")
-    p.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
-                   help="also draft up to N tokens copied from where the newest 1-3 tokens occurred before in "
-                        "the prompt or the answer (prompt lookup; free to draft); 0 = off (the default without a "
-                        "bundle)")
+    add_prompt_lookup_arg(p, default="the bundle's, else off")
 
 
 def add_bundle_args(p: argparse.ArgumentParser, positional: bool) -> None:

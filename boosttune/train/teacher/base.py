@@ -30,6 +30,7 @@ class TeacherBackend(ABC):
     def preflight(self, llm_ref: str, run: RunDir) -> None:
         """Checks that fail in seconds, made before the LLM's weights load (``llm_ref``: ``llm.ref``).
         Raises ValueError naming the config field. Nothing to check by default."""
+        return None
 
     @abstractmethod
     def run(self, model, tokenizer, prompts: Sequence[TrainPrompt], run: RunDir, eos_ids: frozenset[int], *,

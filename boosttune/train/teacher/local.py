@@ -19,7 +19,13 @@ from boosttune.core.rundir import RunDir
 from boosttune.train import batched_decode
 from boosttune.train.sources import TrainPrompt
 from boosttune.train.teacher.base import TeacherBackend
-from boosttune.train.teacher.shards import Continuation, cut_at_eos, pending_shards, shard_prompts, write_shard
+from boosttune.train.teacher.shards import (
+    Continuation,
+    cut_at_eos,
+    pending_shards,
+    shard_prompts,
+    write_shard,
+)
 
 
 def local_backend(model) -> str:

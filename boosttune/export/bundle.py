@@ -5,9 +5,10 @@ a ``serving/manifest.py`` ``Manifest``, written by ``Manifest.write`` (the same 
 Export copies the SSMs' safetensors weights, configs and statistics, writes the LLM's tokenizer once,
 copies the run's scheduler directory file for file and its draft vocabulary ranking (when it has
 one), writes the run's tree (the training config's ``tree:`` section) as the bundle's default, pins
-the LLM by a content hash and lists a sha256 for every file. It writes into a temporary sibling
-directory and renames it into place at the end, so an interrupted export never leaves a half bundle
-at ``--out``.
+the LLM by a content hash and lists a sha256 for every file. Every SSM is checked
+(``common.checked_ssm_dir``) before anything is written; ``ssm_entry`` is what the manifest records
+of each. It writes into a temporary sibling directory and renames it into place at the end, so an
+interrupted export never leaves a half bundle at ``--out``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ from pathlib import Path
 
 from boosttune.core.files import is_complete, sha256_file
 from boosttune.core.rundir import FEATURE_NAME, RunDir
-from boosttune.export_common import atomic_dir, check_out, tree_bytes, weight_files
+from boosttune.export.common import (
+    STATS,
+    CheckedSSM,
+    atomic_dir,
+    check_out,
+    checked_ssm_dir,
+    stage_entries,
+    tree_bytes,
+)
 from boosttune.scheduler.persist import SchedulerFileError
 from boosttune.scheduler.policy import Scheduler
 from boosttune.serving import kinds
@@ -43,7 +52,6 @@ from boosttune.serving.manifest import (
 
 # Each drafter's kind says which files of its directory a bundle carries (serving/kinds.py); the rest
 # (tokenizer files, the completion marker) is either carried once for all or irrelevant to serving.
-_STATS = "stats.json"
 _PROFILE = "acceptance_profile.json"
 
 
@@ -128,41 +136,51 @@ def _tree(report: dict, run: RunDir) -> TreeConfig:
         raise ValueError(f"{run.report_path}: field 'tree' is not a valid tree configuration: {e}") from None
 
 
-def _copy_ssm(src: Path, dest: Path, tokenizer_vocab: dict[str, int], kind: kinds.DrafterKind) -> tuple[list[str], str | None]:
-    """Copy the files one drafter's kind ships (configs, safetensors weights, its own files) and its
-    stats; returns (weight names, profile name)."""
-    from transformers import AutoTokenizer
-
-    weights = weight_files(src)
-    if not any(w.endswith(".safetensors") for w in weights):
-        raise ValueError(
-            f"SSM {src} has no *.safetensors weights (bundles never carry pickled weights); "
-            "re-save it with save_pretrained(..., safe_serialization=True)"
-        )
-    if not (src / "config.json").is_file():
-        raise ValueError(f"SSM {src} has no config.json; is it a transformers save_pretrained directory?")
-    if not (src / _STATS).is_file():
-        raise ValueError(f"SSM {src} has no {_STATS}; the run's stage did not finish writing it")
-    if any((src / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
-        vocab = AutoTokenizer.from_pretrained(src).get_vocab()
-        if vocab != tokenizer_vocab:
-            raise ValueError(f"SSM {src} has a different tokenizer from the LLM's; SSMs must use the LLM's tokenizer")
+def _copy_ssm(ssm: CheckedSSM, dest: Path, kind: kinds.DrafterKind) -> str | None:
+    """Copy the files of one checked drafter that its kind ships (configs, safetensors weights, its own
+    files) and its stats, and write its acceptance profile (from its stats) as a file of its own;
+    returns the profile's file name (None: it has none)."""
+    src = ssm.dir
     dest.mkdir(parents=True)
+    for name in dict.fromkeys([*kind.ships(src), STATS]):
+        shutil.copyfile(src / name, dest / name)
+    profile = ssm.stats.get("acceptance_profile")
+    if profile is None:
+        return None
+    (dest / _PROFILE).write_text(json.dumps(profile, indent=2) + "\n")
+    return _PROFILE
+
+
+def _checked_kind(src: Path) -> kinds.DrafterKind:
+    """The kind ``src`` declares, with what that kind needs of the directory checked."""
     try:
+        kind = kinds.kind(kinds.directory_kind(src))
         kind.check(src)
     except ValueError as e:
         raise ValueError(f"SSM {src}: {e}") from None
-    for name in dict.fromkeys([*kind.ships(src), _STATS]):
-        shutil.copyfile(src / name, dest / name)
-    try:
-        stats = json.loads((src / _STATS).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{src / _STATS}: not valid JSON ({e})") from None
-    profile = stats.get("acceptance_profile") if isinstance(stats, dict) else None
-    if profile is None:
-        return weights, None
-    (dest / _PROFILE).write_text(json.dumps(profile, indent=2) + "\n")
-    return weights, _PROFILE
+    return kind
+
+
+def ssm_entry(ssm: CheckedSSM, rel: str, stage: dict, position: int, profile: str | None,
+              kind: kinds.DrafterKind, tree: TreeConfig) -> DrafterEntry:
+    """The manifest's entry for one drafter copied to ``rel`` (bundle-relative): the one place that says
+    what the manifest records of a drafter.
+
+    Args:
+        ssm: the checked SSM directory it was copied from.
+        rel: its directory in the bundle (``ssms/<name>``).
+        stage: its stage entry in the run's report.json (empty when the report has none).
+        position: its 1-based place among the bundle's SSMs, the stage recorded when ``stage`` has none.
+        profile: its acceptance profile's file name in ``rel`` (None: it has none).
+        kind: its kind.
+        tree: the tree it drafts by default (as its training recorded it).
+    """
+    return DrafterEntry(
+        name=ssm.dir.name, kind=kind.name, stage=int(stage.get("stage", position)), tree=tree, dir=rel,
+        config=f"{rel}/config.json",
+        weights=[f"{rel}/{w}" for w in ssm.weights], stats=f"{rel}/{STATS}",
+        acceptance_profile=f"{rel}/{profile}" if profile else None, report=stage,
+    )
 
 
 def _copy_scheduler(src: Path, dest: Path) -> list[str]:
@@ -212,7 +230,7 @@ def export_bundle(
     run = RunDir(run_dir)
     out = Path(out)
     report = run.read_report()
-    stages = {str(run.root / s["ssm_dir"]): s for s in report.get("stages", []) if isinstance(s, dict) and "ssm_dir" in s}
+    stages = stage_entries(run, report)
     ssm_dirs = run.ssm_dirs()
     if is_complete(run.feature_dir):
         ssm_dirs.append(run.feature_dir)
@@ -257,23 +275,19 @@ def export_bundle(
         llm_hash, llm_file_hashes = llm_content_hash(llm_dir)
     except BundleError as e:
         raise ValueError(str(e)) from None
+    tokenizer = AutoTokenizer.from_pretrained(llm_dir)
+    vocab = tokenizer.get_vocab()
+    checked = [checked_ssm_dir(src, lambda: vocab, require_stats=True) for src in ssm_dirs]
+    ssm_kinds = [_checked_kind(src) for src in ssm_dirs]
 
     with atomic_dir(out) as tmp:
-        tokenizer = AutoTokenizer.from_pretrained(llm_dir)
         tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
-        vocab = tokenizer.get_vocab()
         drafters = []
-        for src in ssm_dirs:
-            stage = stages.get(str(src), {})
-            rel = f"{SSMS_DIR}/{src.name}"
-            kind = kinds.kind(kinds.directory_kind(src))
-            weights, profile = _copy_ssm(src, tmp / rel, vocab, kind)
-            drafters.append(DrafterEntry(
-                name=src.name, kind=kind.name, stage=int(stage.get("stage", len(drafters) + 1)),
-                tree=kind.trained_tree(src, tree) if draft_vocab is None else tree, dir=rel,
-                config=f"{rel}/config.json", weights=[f"{rel}/{w}" for w in weights], stats=f"{rel}/{_STATS}",
-                acceptance_profile=f"{rel}/{profile}" if profile else None, report=stage,
-            ))
+        for position, (ssm, kind) in enumerate(zip(checked, ssm_kinds, strict=True), start=1):
+            rel = f"{SSMS_DIR}/{ssm.dir.name}"
+            profile = _copy_ssm(ssm, tmp / rel, kind)
+            tree_of = kind.trained_tree(ssm.dir, tree) if draft_vocab is None else tree
+            drafters.append(ssm_entry(ssm, rel, stages.get(str(ssm.dir), {}), position, profile, kind, tree_of))
         if prompt_lookup:
             drafters.append(DrafterEntry(name=LOOKUP_NAME, kind=kinds.PromptLookupKind.name, stage=0,
                                          tree=lookup_tree(int(prompt_lookup))))

@@ -16,7 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from boosttune.export_common import RunInfo, RunSSM, atomic_dir, check_out, read_run, tree_bytes, weight_files
+from boosttune.export.common import RunInfo, RunSSM, atomic_dir, check_out, read_run, tree_bytes, weight_files
 
 README = "README.md"
 _GEN_CONFIG = "generation_config.json"

