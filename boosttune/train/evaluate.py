@@ -11,12 +11,23 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
 
 from boosttune.assemble import engine_from_models
 from boosttune.config import TrainConfig
 from boosttune.core.files import is_complete
-from boosttune.core.models import dtype_name, eos_token_ids, load_llm_and_ssms, load_model, parse_dtype
+from boosttune.core.models import (
+    LoadedModel,
+    check_same_vocabulary,
+    dtype_name,
+    eos_token_ids,
+    load_model,
+    model_vocab_size,
+)
 from boosttune.core.progress import progress
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.core.rundir import FEATURE_NAME, RunDir, ssm_name
@@ -60,11 +71,22 @@ def relative_cost(single: dict, plain: dict, depth: int) -> float:
     return single["draft_s_median"] / max(1, depth) / plain["verify_s_median"] if plain["verify_s_median"] else 0.0
 
 
-def evaluate_run(cfg: TrainConfig, run: RunDir, held_out: list[TrainPrompt]) -> dict:
-    """{"prompts": n, "singles": [{ssm, tau, ...}], "ensemble": {...}} for the run's trained SSMs."""
-    dirs = run.ssm_dirs()  # the report lists every finished stage before evaluation runs
-    dtype = parse_dtype(cfg.llm.eval_dtype)
-    llm, ssms = load_llm_and_ssms(cfg.llm.ref, [str(d) for d in dirs], dtype, dtype)
+def load_ssms(llm: LoadedModel, dirs: Sequence[str | Path], dtype: torch.dtype | str) -> list[LoadedModel]:
+    """The SSMs in ``dirs`` for an LLM already loaded, each one's vocabulary checked against the LLM's
+    (as :func:`boosttune.core.models.load_llm_and_ssms` checks them)."""
+    ssms = [load_model(str(d), dtype=dtype) for d in dirs]
+    for d, ssm in zip(dirs, ssms, strict=True):
+        check_same_vocabulary(llm.tokenizer, ssm.tokenizer, model_vocab_size(llm.model), model_vocab_size(ssm.model),
+                              str(d))
+    return ssms
+
+
+def evaluate_run(cfg: TrainConfig, run: RunDir, held_out: list[TrainPrompt], ssm_dirs: Sequence[Path],
+                 llm: LoadedModel) -> dict:
+    """{"prompts": n, "singles": [{ssm, tau, ...}], "ensemble": {...}} for the SSMs in ``ssm_dirs`` (the
+    run's stages, in order) with ``llm``, the run's LLM in ``llm.eval_dtype``."""
+    dtype = llm.model.dtype
+    ssms = load_ssms(llm, ssm_dirs, dtype)
     prompts = eval_prompt_ids(cfg, llm.tokenizer, held_out)
     stop = StopCriteria(max_new_tokens=cfg.eval.max_new_tokens, eos_token_ids=eos_token_ids(llm))
     tree = cfg.tree
