@@ -168,7 +168,7 @@ needs_chmod = pytest.mark.skipif(not _chmod_restricts(), reason="chmod does not 
 
 def test_run_killed_before_its_report_listed_the_last_stage_evaluates_every_ssm(tiny_run: Path, tmp_path: Path) -> None:
     """Every stage finished (summary.json written) but the report not yet written: the rerun trains
-    nothing, and the evaluation (which reads the stages from report.json) still sees every SSM."""
+    nothing, and the evaluation (handed the stages by the boost-tuning phase) still sees every SSM."""
     run = Path(shutil.copytree(tiny_run, tmp_path / "run"))
     report = json.loads((run / "report.json").read_text())
     report["stages"], report["evaluation"] = report["stages"][:2], None

@@ -1,8 +1,10 @@
 """`boosttune train`: prompts -> teacher shards -> N boost-tuned SSMs -> evaluation -> scheduler.
 
-Every phase leaves files in the run directory (layout in :mod:`boosttune.core.rundir`) and skips work
+:func:`train` reads top to bottom: each phase takes what the earlier ones returned (the prompt set and
+teacher samples as :class:`TeacherData`, the stages' summaries, the LLM as one :class:`RunLLM`). Every
+phase also leaves files in the run directory (layout in :mod:`boosttune.core.rundir`) and skips work
 whose files are already complete, so re-running the same command after any interruption continues
-where it stopped. Multi-process runs (torchrun, SLURM, or ``optim.devices > 1`` on one machine)
+where it stopped; those files are a cache a phase checks, not the way phases talk. Multi-process runs (torchrun, SLURM, or ``optim.devices > 1`` on one machine)
 run this same function on every rank (:mod:`boosttune.dist`).
 
 Boost-tuning (SpecInfer, arXiv 2305.09781 §4.2): SSM 1 trains on every training sample; after
