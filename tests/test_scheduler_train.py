@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -106,6 +107,23 @@ def test_train_scheduler_writes_scheduler_and_report(run_dir, capsys):
     assert record.features.lookup_hit_rate is not None
     choice = scheduler.choose(list(range(record.prompt_tokens)), record.features)
     assert set(choice.ssm_indices) <= {0, 1, 2} and choice.depth in (0, 1, 2)
+
+
+def test_a_finished_scheduler_is_known_by_its_settings(run_dir):
+    """`boosttune train` keeps a run's scheduler only when its marker records today's settings (the test
+    above fitted it)."""
+    from boosttune.config import SchedulerConfig, from_dict
+    from boosttune.core.rundir import RunDir
+    from boosttune.scheduler.offline.train import RunModels, finished_scheduler
+
+    run = RunDir(run_dir)
+    settings = json.loads((run.scheduler_dir / "complete.json").read_text())["settings"]
+    assert settings["drafters"] == ["ssm-1", "ssm-2"] and settings["dtype"] == "fp32"
+    cfg = from_dict(SchedulerConfig, settings["config"], "scheduler")
+    models = RunModels.of_run(run)
+    assert finished_scheduler(run, cfg, models) == json.loads(run.scheduler_report.read_text())
+    assert finished_scheduler(run, cfg.replace(seed=cfg.seed + 1), models) is None
+    assert finished_scheduler(run, cfg, dataclasses.replace(models, ssm_dirs=models.ssm_dirs[:1])) is None  # other SSMs
 
 
 def test_train_scheduler_refuses_bad_configs_by_name(run_dir, tmp_path, capsys):

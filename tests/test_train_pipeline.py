@@ -28,14 +28,36 @@ TINY = ROOT / "configs" / "tiny.yaml"
 FAST = ["eval.limit=2", "eval.max_new_tokens=8"]
 
 
-def train(run: Path, *overrides: str, kill_at: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+# `python -c COUNTING LOADS_JSON argv...` is `boosttune argv...` that writes the references it passed to
+# load_model to LOADS_JSON at exit: the loader is wrapped before any module that calls it is imported, so
+# every module's `from boosttune.core.models import load_model` binds the wrapper.
+COUNTING = """
+import atexit, json, sys
+from pathlib import Path
+from boosttune.core import models
+refs, real = [], models.load_model
+def load_model(ref, *args, **kwargs):
+    refs.append(str(ref))
+    return real(ref, *args, **kwargs)
+models.load_model = load_model
+atexit.register(lambda: Path(sys.argv[1]).write_text(json.dumps(refs)))
+from boosttune.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def train(run: Path, *overrides: str, kill_at: str | None = None, timeout: int = 300,
+          loads: Path | None = None) -> subprocess.CompletedProcess:
+    """`boosttune train` of configs/tiny.yaml in ``run``; ``loads``: a file that receives the references of
+    every model it loads (:data:`COUNTING`)."""
     # One torch thread per process: tiny models gain nothing from two, and two threads stall badly
     # whenever the other core is busy (seen here: 10-60x slower steps).
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     env.pop("BOOSTTUNE_KILL_AT", None)
     if kill_at:
         env["BOOSTTUNE_KILL_AT"] = kill_at
-    cmd = [sys.executable, "-m", "boosttune.cli", "train", "--config", str(TINY), "--run-dir", str(run), *FAST, *overrides]
+    cli = ["-m", "boosttune.cli"] if loads is None else ["-c", COUNTING, str(loads)]
+    cmd = [sys.executable, *cli, "train", "--config", str(TINY), "--run-dir", str(run), *FAST, *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -146,7 +168,7 @@ needs_chmod = pytest.mark.skipif(not _chmod_restricts(), reason="chmod does not 
 
 def test_run_killed_before_its_report_listed_the_last_stage_evaluates_every_ssm(tiny_run: Path, tmp_path: Path) -> None:
     """Every stage finished (summary.json written) but the report not yet written: the rerun trains
-    nothing, and the evaluation (which reads the stages from report.json) still sees every SSM."""
+    nothing, and the evaluation (handed the stages by the boost-tuning phase) still sees every SSM."""
     run = Path(shutil.copytree(tiny_run, tmp_path / "run"))
     report = json.loads((run / "report.json").read_text())
     report["stages"], report["evaluation"] = report["stages"][:2], None
@@ -288,11 +310,23 @@ def test_kl_loss_with_lora(tmp_path: Path) -> None:
     assert not (run / "ssms" / "ssm-1" / "adapter_config.json").exists()
 
 
+# A learned scheduler that chooses among the SSM, the feature head and prompt lookup, on 6 MT-bench prompts.
+SCHEDULER = (f"scheduler.prompts={MT_BENCH}", "scheduler.skip=2", "scheduler.limit=6", "scheduler.max_prompt_tokens=500",
+             "scheduler.max_new_tokens=6", "scheduler.depths=[1,2]", "scheduler.widths=[2,1]",
+             "scheduler.calib_prompts=1", "scheduler.calib_tokens=4", "scheduler.real_policies=[learned]")
+
+
 def test_feature_head_trains_after_the_ssms_and_is_evaluated(tmp_path: Path) -> None:
+    """A run with a feature head; then other feature settings and a scheduler: the head is trained again
+    and the scheduler fitted, choosing among it. Each process loads the LLM once, though the teacher, the
+    head, the evaluation and the scheduler all use it. A re-run of the finished run trains and writes
+    nothing (no scheduler work), and its report holds the scheduler's."""
     run = tmp_path / "feature"
     args = ("boost.num_ssms=1", "feature.enabled=true", "feature.minutes=0", "feature.max_steps=4",
             "feature.batch_tokens=512")
-    ok(train(run, *args))
+    loads = tmp_path / "loads.json"
+    ok(train(run, *args, loads=loads))
+    assert json.loads(loads.read_text()).count("tiny-random") == 1  # the LLM; the others are the SSM and the head
     report = json.loads((run / "report.json").read_text())
     feature = report["feature"]
     assert feature["train"]["steps"] == 4 and feature["samples"] == 48 and feature["held_out_samples"] == 12
@@ -308,12 +342,6 @@ def test_feature_head_trains_after_the_ssms_and_is_evaluated(tmp_path: Path) -> 
     assert row["tau"] >= 1.0 and row["tokens"] > 0 and row["draft_vocab"] == 8192
     assert row["lookup"]["prompt_lookup"] == 8 and row["lookup"]["tau"] >= 1.0  # also measured with prompt lookup
     assert all("lookup" in s for s in report["evaluation"]["singles"])
-    before = digest(run / "ssms")
-    ok(train(run, *args))  # finished: nothing retrained
-    assert digest(run / "ssms") == before
-    ok(train(run, *args[:-2], "feature.max_steps=3", "feature.batch_tokens=512"))  # other settings: trained again
-    report = json.loads((run / "report.json").read_text())
-    assert report["feature"]["train"]["steps"] == 3 and report["evaluation"]["feature"]["tau"] >= 1.0
 
     from boosttune.assemble import load
     from boosttune.export.bundle import export_bundle
@@ -330,12 +358,17 @@ def test_feature_head_trains_after_the_ssms_and_is_evaluated(tmp_path: Path) -> 
     out = served.generate([1, 2, 3, 4, 5], stop)
     assert out.tokens == incremental_generate(served.llm.model, [1, 2, 3, 4, 5], stop).tokens
 
-    # a learned scheduler chooses among the SSM, the feature head and prompt lookup; export ships what it chooses among
-    from boosttune.cli import main
+    other = (*args[:-2], "feature.max_steps=3", "feature.batch_tokens=512", *SCHEDULER)
+    ok(train(run, *other, loads=loads))  # other settings: trained again; a finished run gains a scheduler
+    assert json.loads(loads.read_text()).count("tiny-random") == 1
+    report = json.loads((run / "report.json").read_text())
+    assert report["feature"]["train"]["steps"] == 3 and report["evaluation"]["feature"]["tau"] >= 1.0
+    assert report["scheduler"] == json.loads((run / "scheduler_report.json").read_text())
+    before = mtimes(run)
+    ok(train(run, *other))  # finished: nothing retrained, not a file written, the scheduler not fitted again
+    assert mtimes(run) == before
 
-    assert main(["train-scheduler", str(run), "--prompts", str(MT_BENCH), "--skip", "2", "--limit", "6", "--max-prompt-tokens", "500",
-                 "--max-new-tokens", "6", "--depths", "1,2", "--widths", "2,1", "--calib-prompts", "1",
-                 "--calib-tokens", "4", "--real-policies", "learned"]) == 0
+    # the learned scheduler chooses among the SSM, the feature head and prompt lookup; export ships what it chooses among
     labels = [json.loads(x) for x in (run / "scheduler_labels.jsonl").read_text().splitlines()]
     assert len(labels) == 6 and all(len(r["accepts"][0]) == 3 for r in labels)  # ssm-1, feature, prompt lookup
     res = export_bundle(run, tmp_path / "sched-bundle")

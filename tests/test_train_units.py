@@ -238,3 +238,30 @@ def test_grown_requests_are_new_sampled_and_reproducible(backend: str) -> None:
     assert not set(texts) & {s.text for s in seeds}
     assert {p.category for p in first} <= {s.category for s in seeds}
     assert [p.text for p in grow(0)] == texts and [p.text for p in grow(1)] != texts
+
+
+def test_llm_cast_from_fp32_is_a_load_in_that_dtype() -> None:
+    """RunLLM loads the LLM once (fp32 when its phases' dtypes differ) and casts it: the copy must hold what
+    a load in that dtype holds, buffers included (a cast rotary ``inv_freq`` changes the logits)."""
+    from boosttune.core.models import load_model
+    from boosttune.train.pipeline import RunLLM, cast_parameters
+
+    fresh = load_model("tiny-random", torch.bfloat16).model
+    loaded = load_model("tiny-random", torch.float32).model
+    cast = cast_parameters(loaded, torch.bfloat16)
+    for kind in ("named_parameters", "named_buffers"):
+        want, got = dict(getattr(fresh, kind)()), dict(getattr(cast, kind)())
+        assert want.keys() == got.keys()
+        for k in want:
+            assert want[k].dtype == got[k].dtype and torch.equal(want[k], got[k]), k
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, cast(ids).logits)
+    assert loaded.dtype == torch.float32  # the original is untouched
+
+    llm = RunLLM("tiny-random", [torch.bfloat16, torch.float32], "cpu")
+    first = llm.get(torch.bfloat16, "cpu")
+    attn = first.model.config._attn_implementation
+    first.model.config._attn_implementation = "eager" if attn != "eager" else "sdpa"  # as the teacher sets its own
+    assert llm.get(torch.bfloat16, "cpu") is first and first.model.config._attn_implementation == attn
+    assert llm.get(torch.float32, "cpu").model.dtype == torch.float32

@@ -23,7 +23,7 @@ import os
 import shutil
 import socket
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -371,19 +371,24 @@ def check_same_vocabulary(
             )
 
 
+def load_ssms(llm: LoadedModel, refs: Sequence[str | Path], dtype: torch.dtype | str) -> list[LoadedModel]:
+    """The drafters ``refs`` name, for an LLM already loaded: each one's vocabulary checked against the
+    LLM's before any decoding, and its kind as its directory declares it (``core/kind_file.py``)."""
+    ssms = [load_model(str(ref), dtype=dtype) for ref in refs]
+    for ref, ssm in zip(refs, ssms, strict=True):
+        check_same_vocabulary(
+            llm.tokenizer, ssm.tokenizer, model_vocab_size(llm.model), model_vocab_size(ssm.model), str(ref)
+        )
+        ssm.kind = declared_kind(ssm.path)
+    return ssms
+
+
 def load_llm_and_ssms(
     llm_ref: str, ssm_refs: list[str], dtype: torch.dtype | str = torch.float32, ssm_dtype: torch.dtype | str | None = None
 ) -> tuple[LoadedModel, list[LoadedModel]]:
-    """The LLM and its SSMs, each SSM's vocabulary checked against the LLM's before any decoding."""
+    """The LLM and its SSMs (:func:`load_ssms`)."""
     llm = load_model(llm_ref, dtype=dtype)
-    ssms = [load_model(ref, dtype=ssm_dtype or dtype) for ref in ssm_refs]
-    for ssm in ssms:
-        ssm.kind = declared_kind(ssm.path)
-    for ref, ssm in zip(ssm_refs, ssms, strict=True):
-        check_same_vocabulary(
-            llm.tokenizer, ssm.tokenizer, model_vocab_size(llm.model), model_vocab_size(ssm.model), ref
-        )
-    return llm, ssms
+    return llm, load_ssms(llm, ssm_refs, ssm_dtype or dtype)
 
 
 def eos_token_ids(loaded: LoadedModel) -> frozenset[int]:

@@ -14,8 +14,11 @@ Layout (everything a run makes; resuming trusts only what is complete)::
                                   match.json (pool and match flags), summary.json, NAME-rankRRR.json scores
       ssms/ssm-K/                 trained SSM K: HF save_pretrained (config.json, model.safetensors,
                                   tokenizer files) + stats.json; complete.json written last
-      report.json                 run report: llm, tree, teacher, one entry per stage, evaluation
-      scheduler/                  the learned scheduler: scheduler.json; complete.json written last
+      report.json                 run report: llm, tree, teacher, one entry per stage, feature head,
+                                  evaluation, scheduler; written when the run ends (and after each
+                                  newly trained stage, so that a killed run lists the SSMs it finished)
+      scheduler/                  the learned scheduler: scheduler.json; complete.json written last (it
+                                  records the settings the scheduler was fitted with)
       scheduler_report.json/.png  every policy's τ and tokens/s on the evaluation requests
       scheduler_labels.jsonl      the labelled requests the scheduler was fitted on
 
@@ -27,7 +30,9 @@ Layout (everything a run makes; resuming trusts only what is complete)::
      "teacher": {...},
      "stages": [{"stage": K, "ssm_dir": "ssms/ssm-K", "pool_before": int, "pool_after": int,
                  "match_rate": float, "ensemble_match_rate": float, "train_loss": float, ...}],
-     "evaluation": {...}}
+     "feature": {...} | null,
+     "evaluation": {...} | null,
+     "scheduler": {...}}          only when `boosttune train` fitted one: scheduler_report.json's content
 
 :class:`RunDir` names every one of these paths; no other module joins them by hand.
 """
@@ -195,6 +200,7 @@ class RunDir:
         return self.root / "ssms" / FEATURE_NAME
 
     def ssm_dirs(self) -> list[Path]:
-        """The trained SSMs of the run, in stage order (only complete ones)."""
+        """The trained SSMs of the run, in stage order (only complete ones), as its report lists them
+        (for readers of a run; `boosttune train` hands its stages on directly)."""
         dirs = [self.root / s["ssm_dir"] for s in self.read_report().get("stages", [])]
         return [d for d in dirs if is_complete(d)]

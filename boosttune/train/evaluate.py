@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
+from pathlib import Path
 
 from boosttune.assemble import engine_from_models
 from boosttune.config import TrainConfig
 from boosttune.core.files import is_complete
-from boosttune.core.models import dtype_name, eos_token_ids, load_llm_and_ssms, load_model, parse_dtype
+from boosttune.core.models import LoadedModel, dtype_name, eos_token_ids, load_model, load_ssms
 from boosttune.core.progress import progress
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.core.rundir import FEATURE_NAME, RunDir, ssm_name
@@ -61,11 +63,12 @@ def relative_cost(single: dict, plain: dict, depth: int) -> float:
     return single["draft_s_median"] / max(1, depth) / plain["verify_s_median"] if plain["verify_s_median"] else 0.0
 
 
-def evaluate_run(cfg: TrainConfig, run: RunDir, held_out: list[TrainPrompt]) -> dict:
-    """{"prompts": n, "singles": [{ssm, tau, ...}], "ensemble": {...}} for the run's trained SSMs."""
-    dirs = run.ssm_dirs()  # the report lists every finished stage before evaluation runs
-    dtype = parse_dtype(cfg.llm.eval_dtype)
-    llm, ssms = load_llm_and_ssms(cfg.llm.ref, [str(d) for d in dirs], dtype, dtype)
+def evaluate_run(cfg: TrainConfig, run: RunDir, held_out: list[TrainPrompt], ssm_dirs: Sequence[Path],
+                 llm: LoadedModel) -> dict:
+    """{"prompts": n, "singles": [{ssm, tau, ...}], "ensemble": {...}} for the SSMs in ``ssm_dirs`` (the
+    run's stages, in order) with ``llm``, the run's LLM in ``llm.eval_dtype``."""
+    dtype = llm.model.dtype
+    ssms = load_ssms(llm, ssm_dirs, dtype)
     prompts = eval_prompt_ids(cfg, llm.tokenizer, held_out)
     stop = StopCriteria(max_new_tokens=cfg.eval.max_new_tokens, eos_token_ids=eos_token_ids(llm))
     tree = cfg.tree

@@ -1,8 +1,10 @@
 """`boosttune train`: prompts -> teacher shards -> N boost-tuned SSMs -> evaluation -> scheduler.
 
-Every phase leaves files in the run directory (layout in :mod:`boosttune.core.rundir`) and skips work
+:func:`train` reads top to bottom: each phase takes what the earlier ones returned (the prompt set and
+teacher samples as :class:`TeacherData`, the stages' summaries, the LLM as one :class:`RunLLM`). Every
+phase also leaves files in the run directory (layout in :mod:`boosttune.core.rundir`) and skips work
 whose files are already complete, so re-running the same command after any interruption continues
-where it stopped. Multi-process runs (torchrun, SLURM, or ``optim.devices > 1`` on one machine)
+where it stopped; those files are a cache a phase checks, not the way phases talk. Multi-process runs (torchrun, SLURM, or ``optim.devices > 1`` on one machine)
 run this same function on every rank (:mod:`boosttune.dist`).
 
 Boost-tuning (SpecInfer, arXiv 2305.09781 §4.2): SSM 1 trains on every training sample; after
@@ -13,16 +15,18 @@ ablation). Every SSM starts from the same initialisation (``ssm.*``) with its ow
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
 import shutil
 import time
-from collections.abc import Callable
-from dataclasses import asdict, replace
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from boosttune.config import (
     BoostConfig,
@@ -33,8 +37,10 @@ from boosttune.config import (
     load_config,
     to_dict,
 )
-from boosttune.core.files import atomic_write_json, atomic_write_text, is_complete, mark_complete
+from boosttune.core.files import MARKER, atomic_write_json, atomic_write_text, is_complete, mark_complete
+from boosttune.core.kind_file import declare_kind
 from boosttune.core.models import (
+    LoadedModel,
     dtype_name,
     eos_token_ids,
     load_model,
@@ -43,8 +49,9 @@ from boosttune.core.models import (
     resolve_model_path,
 )
 from boosttune.core.rundir import REPORT_FORMAT, RunDir
+from boosttune.serving.kinds import FeatureKind, SSMKind
 from boosttune.train import dist
-from boosttune.train.distill import samples_from_teacher
+from boosttune.train.distill import Sample, samples_from_teacher
 from boosttune.train.draft_ranking import ensure_draft_ranking
 from boosttune.train.faults import crash_point
 from boosttune.train.matching import is_match, summarize_agreement, teacher_forced_agreement
@@ -164,6 +171,77 @@ def _device(cfg: TrainConfig) -> str:
     return f"cuda:{dist.local_rank()}" if torch.cuda.is_available() else "cpu"
 
 
+# ---------------------------------------------------------------------------------------------- LLM
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of ``model`` with its parameters in ``dtype``: what ``from_pretrained(dtype=...)`` gives when
+    the weights were loaded in fp32 (every fp16 and bf16 value is one in fp32, and the cast rounds as the
+    loader does). Buffers keep their dtype as the loader keeps them: the rotary ``inv_freq`` stays fp32 (cast
+    too, it changes the logits; tests/test_train_units.py compares the two)."""
+    out = copy.deepcopy(model)
+    for p in out.parameters():  # tied weights are one parameter: they stay tied
+        p.data = p.data.to(dtype)
+    out.config.dtype = dtype
+    return out
+
+
+class RunLLM:
+    """The run's LLM, loaded once per process (one :func:`load_model`) and handed to each phase in the dtype
+    and on the device that phase always used: the teacher in ``llm.teacher_dtype`` on ``llm.device``, the
+    feature head's features in fp32 there, evaluation and the scheduler in theirs on the CPU.
+
+    It is loaded in the dtype every phase of this process uses, else in fp32 on the CPU, from which the
+    other dtypes are cast (:func:`cast_parameters`, exact); one cast copy is kept at a time. Moves between
+    devices are in place and lossless. Each hand-out has the attention implementation it was loaded with
+    (the teacher sets its own)."""
+
+    def __init__(self, ref: str, dtypes: Sequence[torch.dtype], device: str):
+        one = len(set(dtypes)) == 1
+        self._dtype = dtypes[0] if one else torch.float32
+        self._loaded: LoadedModel | None = load_model(ref, self._dtype, device=device if one else "cpu")
+        self._attn = self._loaded.model.config._attn_implementation
+        self._cast: LoadedModel | None = None
+
+    def get(self, dtype: torch.dtype, device: str) -> LoadedModel:
+        """The LLM in ``dtype`` on ``device``."""
+        assert self._loaded is not None, "the LLM was released"
+        if dtype == self._dtype:
+            self._cast = None
+            out = self._loaded
+        else:
+            if self._cast is None or self._cast.model.dtype != dtype:
+                self._cast = None  # the previous copy goes first
+                self._loaded.model.to("cpu")  # the copy is made on the host, never beside it on an accelerator
+                self._cast = replace(self._loaded, model=cast_parameters(self._loaded.model, dtype))
+            out = self._cast
+        out.model.to(device)
+        out.model.config._attn_implementation = self._attn
+        return out
+
+    def park(self) -> None:
+        """While the SSMs train: cast copies dropped and the LLM off any accelerator (kept in host memory:
+        the feature head, evaluation and the scheduler need it again)."""
+        self._cast = None
+        if self._loaded is not None:
+            self._loaded.model.to("cpu")
+
+    def release(self) -> None:
+        """No later phase of this process needs the LLM (ranks other than 0 after the SSMs' start)."""
+        self._loaded = self._cast = None
+
+
+def _llm_dtypes(cfg: TrainConfig) -> list[torch.dtype]:
+    """The LLM's dtype in each phase this process runs, first the teacher's (later phases run on rank 0)."""
+    dtypes = [parse_dtype(cfg.llm.teacher_dtype, _device(cfg))]
+    if dist.is_main():
+        if cfg.feature.enabled:
+            dtypes.append(torch.float32)  # the head is built from, and trained on features of, the fp32 LLM
+        if cfg.eval.enabled:
+            dtypes.append(parse_dtype(cfg.llm.eval_dtype))
+        if cfg.scheduler.prompts:
+            dtypes.append(parse_dtype(cfg.scheduler.dtype or cfg.llm.eval_dtype))
+    return dtypes
+
+
 # ------------------------------------------------------------------------------------------ prompts
 def _split(n: int, held_out: float) -> int:
     h = int(round(n * held_out)) if held_out < 1 else int(held_out)
@@ -252,6 +330,59 @@ def teacher_summary(run: RunDir, ds) -> dict:
             "backends": sorted({b for r in per_rank for b in r.get("backends", [])}),
             "dtypes": sorted({d for r in per_rank for d in r.get("dtypes", [])}),
             "token_ids": token_ids}
+
+
+@dataclass
+class TeacherData:
+    """What the prompt and teacher phases hand to the later ones."""
+
+    prompts_info: dict
+    """The prompt set's counts: ``count``, ``train``, ``held_out``, ``grown``, ``by_source``."""
+    prompts: list[TrainPrompt]
+    """Every prompt, the ``train`` training prompts first."""
+    teacher: dict
+    """The teacher's figures (:func:`teacher_summary`)."""
+    train: list[Sample]
+    """The training prompts with the LLM's continuations: what the SSMs and the feature head train on."""
+    held: list[Sample]
+    """The held-out prompts with theirs: what every stage is scored on."""
+    tokenizer: PreTrainedTokenizerBase
+    """The LLM's (saved with every SSM)."""
+    pad_id: int
+    """The LLM's padding id, else its smallest end-of-sequence id."""
+
+    @property
+    def held_out_prompts(self) -> list[TrainPrompt]:
+        return self.prompts[self.prompts_info["train"]:]
+
+
+def prompts_and_teacher(cfg: TrainConfig, run: RunDir, llm: LoadedModel) -> TeacherData:
+    """The prompt set (rank 0) and the LLM's continuations of it (every rank its shards), each made only
+    where the run lacks it; the files are how ranks share them."""
+    if dist.is_main():
+        if cfg.teacher.reuse_from:
+            reuse_teacher(cfg, run)
+        build_prompts(cfg, run, llm)
+        remove_shard_temporaries(run)  # a killed run's; no rank writes shards before the barrier
+    dist.barrier()
+    prompts_info = run.prompts_info()
+    prompts = read_prompts_file(run)
+    _log(f"prompts: {prompts_info['count']} ({prompts_info['by_source']}), {prompts_info['held_out']} held out")
+
+    stats = teacher_phase(cfg, run, llm, prompts)
+    if stats["tokens"]:
+        _log(f"teacher: {stats['tokens']} tokens in {stats['seconds']:.0f} s ({stats['tokens_per_s']:.0f} tok/s, rank 0, "
+             f"LLM in {dtype_name(llm.model.dtype)})")
+    dist.barrier()
+    ds = load_teacher(run, len(prompts), cfg.teacher.shard_size)
+    if dist.is_main():
+        ensure_draft_ranking(run, model_vocab_size(llm.model), ds)
+    n_train = prompts_info["train"]
+    pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else min(eos_token_ids(llm))
+    return TeacherData(prompts_info=prompts_info, prompts=prompts, teacher=teacher_summary(run, ds),
+                       train=samples_from_teacher(ds, range(n_train)),
+                       held=samples_from_teacher(ds, range(n_train, len(prompts))),
+                       tokenizer=llm.tokenizer, pad_id=pad_id)
 
 
 # ------------------------------------------------------------------------------------------- stages
@@ -361,17 +492,20 @@ def run_stage(cfg: TrainConfig, run: RunDir, k: int, init_dir: Path, tokenizer, 
 def _save_ssm(model, tokenizer, out: Path, summary: dict) -> None:
     model = model.to(torch.float32)
     model.config.use_cache = True
-    _publish_model(model, tokenizer, out, {"stage": summary["stage"]}, stats=summary)
+    _publish_model(model, tokenizer, out, {"stage": summary["stage"]}, stats=summary, kind=SSMKind.name)
 
 
 def _publish_model(model, tokenizer, out: Path, marker: dict, stats: dict | None = None,
-                   save: Callable[[Path], None] | None = None) -> None:
+                   save: Callable[[Path], None] | None = None, kind: str | None = None) -> None:
     """Save model + tokenizer (+ stats.json) in a temporary sibling, mark it complete, rename it to
-    ``out``; ``save`` writes the model (default ``model.save_pretrained``)."""
+    ``out``; ``save`` writes the model (default ``model.save_pretrained``); ``kind``: the drafter kind
+    the directory declares (``core/kind_file.py``; None for the SSMs' starting point)."""
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     (save or model.save_pretrained)(tmp)
     tokenizer.save_pretrained(tmp)
+    if kind is not None:
+        declare_kind(tmp, kind)
     if stats is not None:
         atomic_write_json(tmp / "stats.json", stats)
     mark_complete(tmp, marker)
@@ -414,7 +548,7 @@ def _recorded_features(run: RunDir, shard_size: int, samples: list, first: int) 
     return out, feats, sum(f is not None for f in feats)
 
 
-def feature_phase(cfg: TrainConfig, run: RunDir, train: list, held: list) -> dict | None:
+def feature_phase(cfg: TrainConfig, run: RunDir, data: TeacherData, llm: RunLLM) -> dict | None:
     """Rank 0 trains the feature head (``feature.enabled``) on every training sample, after the SSMs,
     on the LLM features the teacher recorded (:func:`_recorded_features`; computed where it did not);
     returns its statistics (None: disabled, or another rank). A head trained with the same settings
@@ -433,7 +567,8 @@ def feature_phase(cfg: TrainConfig, run: RunDir, train: list, held: list) -> dic
     from boosttune.train.stage import precision
 
     fc = cfg.feature
-    llm = load_model(cfg.llm.ref, torch.float32, device=_device(cfg))
+    train, held = data.train, data.held
+    llm = llm.get(torch.float32, _device(cfg))
     vocab = llm.model.get_output_embeddings().weight.shape[0]
     rows = head_ids(load_ranking(run.draft_vocab_path), fc.draft_vocab, vocab) if fc.draft_vocab else torch.arange(vocab)
     t0 = time.perf_counter()
@@ -463,8 +598,49 @@ def feature_phase(cfg: TrainConfig, run: RunDir, train: list, held: list) -> dic
     head.config.use_cache = True
     meta = {"layers": list(fc.layers), "draft_vocab": fc.draft_vocab}
     _publish_model(head, llm.tokenizer, out, {"feature": True}, stats=summary,
-                   save=lambda tmp: save_head(head, tmp, meta))
+                   save=lambda tmp: save_head(head, tmp, meta), kind=FeatureKind.name)
     return summary
+
+
+# ---------------------------------------------------------------------------------- boost-tuning
+def stage_done(run: RunDir, k: int) -> bool:
+    """Whether stage ``k``'s SSM and summary are complete (:func:`run_stage` then only reads them)."""
+    return is_complete(run.ssm_dir(k)) and run.stage_summary(k).exists()
+
+
+def boost_phase(cfg: TrainConfig, run: RunDir, data: TeacherData, init_dir: Path) -> list[dict]:
+    """Every stage in turn, each on what the earlier ones left (:func:`run_stage`); the stages' summaries."""
+    stages: list[dict] = []
+    for k in range(1, cfg.boost.num_ssms + 1):
+        done = stage_done(run, k)
+        stages.append(run_stage(cfg, run, k, init_dir, data.tokenizer, data.train, data.held, data.pad_id))
+        if not done:  # a killed run's report lists the SSMs it finished (export reads a run's SSMs there)
+            write_report(cfg, run, data, stages)
+        s = stages[-1]
+        _log(f"stage {k}: pool {s['pool_before']} -> {s['pool_after']}, match {s['match_rate']:.3f}, "
+             f"held-out top-1 {s['heldout_top1']:.3f}, ensemble held-out match {s['ensemble_match_rate']:.3f}")
+    return stages
+
+
+def drafters_to_train(cfg: TrainConfig, run: RunDir) -> bool:
+    """Whether this process will train an SSM or the feature head (the same answer on every rank for
+    the SSMs; the head is rank 0's)."""
+    fresh_feature = cfg.feature.enabled and dist.is_main() and finished_feature(cfg, run) is None
+    return fresh_feature or not all(stage_done(run, k) for k in range(1, cfg.boost.num_ssms + 1))
+
+
+def forget_results(cfg: TrainConfig, run: RunDir) -> None:
+    """Rank 0, before drafters are trained: the report's evaluation and the scheduler describe the drafters
+    there were. A run killed before new results exist must not keep those as its own, so the report drops
+    them and the scheduler (when this run trains it) loses its completion marker."""
+    if not dist.is_main():
+        return
+    if cfg.scheduler.prompts:
+        (run.scheduler_dir / MARKER).unlink(missing_ok=True)
+    report = _read_report(run)
+    if report is not None and (report.get("evaluation") is not None or "scheduler" in report):
+        report = {k: v for k, v in report.items() if k != "scheduler"}
+        atomic_write_text(run.report_path, json.dumps({**report, "evaluation": None}, indent=2) + "\n")
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -474,28 +650,69 @@ def eval_settings(cfg: TrainConfig) -> dict:
                                   "eval_dtype": cfg.llm.eval_dtype, "feature": cfg.feature.enabled}))
 
 
+def _read_report(run: RunDir) -> dict | None:
+    """report.json as it is (None: none yet, or a damaged one, which is then made again)."""
+    try:
+        report = json.loads(run.report_path.read_text())
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None
+
+
 def previous_evaluation(run: RunDir, settings: dict) -> dict | None:
     """report.json's evaluation if it was made with ``settings`` (None: none, or other settings)."""
-    try:
-        evaluation = json.loads(run.report_path.read_text()).get("evaluation")
-    except (OSError, ValueError, AttributeError):  # no report yet, or a damaged one: evaluate again
-        return None
+    evaluation = (_read_report(run) or {}).get("evaluation")
     return evaluation if isinstance(evaluation, dict) and evaluation.get("settings") == settings else None
 
 
-def write_report(cfg: TrainConfig, run: RunDir, teacher: dict, prompts_info: dict, stages: list[dict],
-                 evaluation: dict | None, feature: dict | None = None) -> dict:
+def evaluation_phase(cfg: TrainConfig, run: RunDir, data: TeacherData, stages: list[dict], llm: RunLLM,
+                     trained: bool) -> dict | None:
+    """Rank 0: τ of the run's SSMs (``eval.enabled``; :func:`boosttune.train.evaluate.evaluate_run`).
+    report.json's evaluation is kept when this process trained nothing and the settings are the same."""
+    if not cfg.eval.enabled or not dist.is_main():
+        return None
+    settings = eval_settings(cfg)
+    done = None if trained else previous_evaluation(run, settings)
+    if done is not None:
+        return done
+    from boosttune.train.evaluate import evaluate_run
+
+    dirs = [run.root / s["ssm_dir"] for s in stages]
+    loaded = llm.get(parse_dtype(cfg.llm.eval_dtype), "cpu")
+    return {**evaluate_run(cfg, run, data.held_out_prompts, dirs, loaded), "settings": settings}
+
+
+def scheduler_phase(cfg: TrainConfig, run: RunDir, stages: list[dict], llm: RunLLM, trained: bool) -> dict | None:
+    """Rank 0: the learned scheduler (``scheduler.prompts``), fitted on the run's drafters; its report. A
+    scheduler fitted with the same settings is kept when this process trained nothing (read back; no file
+    written)."""
+    if not cfg.scheduler.prompts or not dist.is_main():
+        return None
+    from boosttune.scheduler.offline.train import RunModels, finished_scheduler, train_scheduler
+
+    models = RunModels(llm_ref=cfg.llm.ref, llm_dtype=cfg.llm.eval_dtype, tree=asdict(cfg.tree),
+                       ssm_dirs=[run.root / s["ssm_dir"] for s in stages], llm=lambda dtype: llm.get(dtype, "cpu"))
+    done = None if trained else finished_scheduler(run, cfg.scheduler, models)
+    return done if done is not None else train_scheduler(run, cfg.scheduler, models=models)
+
+
+def write_report(cfg: TrainConfig, run: RunDir, data: TeacherData, stages: list[dict], feature: dict | None = None,
+                 evaluation: dict | None = None, scheduler: dict | None = None) -> dict:
+    """The run's report (rank 0 writes it, unless the file holds it already); ``scheduler`` only when the
+    run fitted one."""
     report = {
         "format": REPORT_FORMAT,
         "llm": {"ref": cfg.llm.ref, "path": resolve_model_path(cfg.llm.ref), "dtype": cfg.llm.eval_dtype},
         "tree": asdict(cfg.tree),
         "world_size": dist.world_size(),
-        "prompts": prompts_info,
-        "teacher": teacher,
+        "prompts": data.prompts_info,
+        "teacher": data.teacher,
         "stages": stages,
         "feature": feature,
         "evaluation": evaluation,
     }
+    if scheduler is not None:
+        report["scheduler"] = scheduler
     if dist.is_main():
         text = json.dumps(report, indent=2) + "\n"
         if not run.report_path.is_file() or run.report_path.read_text() != text:  # unchanged: not rewritten
@@ -504,77 +721,44 @@ def write_report(cfg: TrainConfig, run: RunDir, teacher: dict, prompts_info: dic
 
 
 # -------------------------------------------------------------------------------------------- main
-def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
-    """Run (or resume) the whole pipeline in ``run_dir``; returns the report."""
+def open_run(cfg: TrainConfig, run_dir: str | Path) -> RunDir:
+    """The run directory, made on first use, its config saved or checked against this one."""
     run = RunDir(run_dir)
     dist.init()
     if dist.is_main():
         run.root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     check_or_save_config(cfg, run)
+    return run
+
+
+def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
+    """Run (or resume) the whole pipeline in ``run_dir``; returns the report. Each phase takes what the
+    earlier ones returned; its files in the run are a cache it checks, so a resumed run skips finished work."""
+    run = open_run(cfg, run_dir)
     t_start = time.perf_counter()
     backend_for(cfg.teacher).preflight(cfg.llm.ref, run)  # before weights
-    teacher_dtype = parse_dtype(cfg.llm.teacher_dtype, _device(cfg))
-    llm = load_model(cfg.llm.ref, teacher_dtype, device=_device(cfg))
-    pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else min(eos_token_ids(llm))
+    dtypes = _llm_dtypes(cfg)
+    llm = RunLLM(cfg.llm.ref, dtypes, _device(cfg))
+    teacher_llm = llm.get(dtypes[0], _device(cfg))
+    data = prompts_and_teacher(cfg, run, teacher_llm)
+    init_dir = build_init(cfg, run, teacher_llm)
+    del teacher_llm
+    if dist.is_main():  # the SSMs train without the LLM; only rank 0 needs it after them
+        llm.park()
+    else:
+        llm.release()
 
-    if dist.is_main():
-        if cfg.teacher.reuse_from:
-            reuse_teacher(cfg, run)
-        build_prompts(cfg, run, llm)
-        remove_shard_temporaries(run)  # a killed run's; no rank writes shards before the barrier
+    trained = drafters_to_train(cfg, run)
+    if trained:
+        forget_results(cfg, run)
+    stages = boost_phase(cfg, run, data, init_dir)
+    feature = feature_phase(cfg, run, data, llm)
     dist.barrier()
-    prompts_info = run.prompts_info()
-    prompts = read_prompts_file(run)
-    _log(f"prompts: {prompts_info['count']} ({prompts_info['by_source']}), {prompts_info['held_out']} held out")
-
-    stats = teacher_phase(cfg, run, llm, prompts)
-    if stats["tokens"]:
-        _log(f"teacher: {stats['tokens']} tokens in {stats['seconds']:.0f} s ({stats['tokens_per_s']:.0f} tok/s, rank 0, "
-             f"LLM in {dtype_name(teacher_dtype)})")
-    dist.barrier()
-    ds = load_teacher(run, len(prompts), cfg.teacher.shard_size)
-    teacher = teacher_summary(run, ds)
-    if dist.is_main():
-        ensure_draft_ranking(run, model_vocab_size(llm.model), ds)
-    n_train = prompts_info["train"]
-    train_samples = samples_from_teacher(ds, range(n_train))
-    held_samples = samples_from_teacher(ds, range(n_train, len(prompts)))
-    init_dir = build_init(cfg, run, llm)
-    tokenizer = llm.tokenizer
-    del llm  # the LLM is not needed while SSMs train (frees an accelerator's memory)
-
-    stages, trained = [], False
-    for k in range(1, cfg.boost.num_ssms + 1):
-        done = is_complete(run.ssm_dir(k)) and run.stage_summary(k).exists()
-        stages.append(run_stage(cfg, run, k, init_dir, tokenizer, train_samples, held_samples, pad_id))
-        if not done:  # the report lists what a killed run finished (stages done before: below)
-            trained = True
-            write_report(cfg, run, teacher, prompts_info, stages, None)
-        s = stages[-1]
-        _log(f"stage {k}: pool {s['pool_before']} -> {s['pool_after']}, match {s['match_rate']:.3f}, "
-             f"held-out top-1 {s['heldout_top1']:.3f}, ensemble held-out match {s['ensemble_match_rate']:.3f}")
-
-    fresh_feature = cfg.feature.enabled and finished_feature(cfg, run) is None
-    feature = feature_phase(cfg, run, train_samples, held_samples)
-    trained = trained or fresh_feature
-    dist.barrier()
-    settings = eval_settings(cfg)
-    evaluation = None  # τ of these SSMs with these settings, when report.json has it already
-    if cfg.eval.enabled and dist.is_main() and not trained:
-        evaluation = previous_evaluation(run, settings)
-    # every finished stage in report.json (evaluate_run reads them there; a run killed after a
-    # stage's summary but before its report write left one out)
-    write_report(cfg, run, teacher, prompts_info, stages, evaluation, feature)
-    if cfg.eval.enabled and dist.is_main() and evaluation is None:
-        from boosttune.train.evaluate import evaluate_run
-
-        evaluation = {**evaluate_run(cfg, run, prompts[n_train:]), "settings": settings}
-    report = write_report(cfg, run, teacher, prompts_info, stages, evaluation, feature)
-    dist.barrier()
-    if cfg.scheduler.prompts and dist.is_main():
-        from boosttune.scheduler.offline.train import train_scheduler
-
-        report["scheduler"] = train_scheduler(run, cfg.scheduler)
+    evaluation = evaluation_phase(cfg, run, data, stages, llm, trained)
+    dist.barrier()  # the other ranks are done (the scheduler is rank 0's alone)
+    scheduler = scheduler_phase(cfg, run, stages, llm, trained)
+    llm.release()
+    report = write_report(cfg, run, data, stages, feature, evaluation, scheduler)
     _log(f"done in {time.perf_counter() - t_start:.0f} s; report: {run.report_path}")
     return report

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import random
 import sys
 import time
@@ -26,11 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from boosttune.assemble import engine_from_models
 from boosttune.config import SchedulerConfig
 from boosttune.core.files import MARKER, atomic_write_json, atomic_write_text, is_complete, mark_complete
-from boosttune.core.models import eos_token_ids, load_llm_and_ssms
+from boosttune.core.models import LoadedModel, eos_token_ids, load_llm_and_ssms, load_ssms, parse_dtype
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.core.rundir import RunDir
 from boosttune.scheduler.features import FeatureSpec
@@ -84,6 +86,57 @@ def split_prompts(cfg: SchedulerConfig) -> tuple[list, list]:
 
 
 @dataclass
+class RunModels:
+    """What the scheduler takes of a training run: `boosttune train` hands it over (with the LLM it
+    holds), `boosttune train-scheduler` reads it from the run's report (:meth:`of_run`)."""
+
+    llm_ref: str
+    """The LLM's reference (``llm.ref``)."""
+    llm_dtype: str
+    """The run's LLM dtype (report.json's ``llm.dtype``): the scheduler's unless ``scheduler.dtype``."""
+    tree: dict | None
+    """The run's tree (report.json's ``tree``): its widths unless ``scheduler.widths``."""
+    ssm_dirs: list[Path]
+    """The trained SSMs, in stage order."""
+    llm: Callable[[torch.dtype], LoadedModel] | None = None
+    """The LLM in a dtype, from a process that holds it (None: loaded from ``llm_ref``)."""
+
+    @classmethod
+    def of_run(cls, run: RunDir) -> RunModels:
+        """A finished run's, from its report.json."""
+        report = run.read_report()
+        return cls(llm_ref=report["llm"]["ref"], llm_dtype=report["llm"].get("dtype") or "fp32",
+                   tree=report.get("tree"), ssm_dirs=run.ssm_dirs())
+
+
+def _drafter_dirs(run: RunDir, cfg: SchedulerConfig, models: RunModels) -> list[Path]:
+    """The complete SSMs, then the feature head when it takes part (``scheduler.feature_head``)."""
+    dirs = [d for d in models.ssm_dirs if is_complete(d)]
+    if cfg.feature_head and is_complete(run.feature_dir):
+        dirs.append(run.feature_dir)
+    return dirs
+
+
+def scheduler_settings(run: RunDir, cfg: SchedulerConfig, models: RunModels) -> dict:
+    """What a scheduler is fitted from besides its drafters' weights (JSON types). Its completion marker
+    records them; `boosttune train` keeps a finished scheduler only when they are the same."""
+    return json.loads(json.dumps({"config": cfg.to_dict(), "widths": list(resolve_widths(cfg, models.tree)),
+                                  "dtype": cfg.dtype or models.llm_dtype, "llm": models.llm_ref,
+                                  "drafters": [d.name for d in _drafter_dirs(run, cfg, models)]}))
+
+
+def finished_scheduler(run: RunDir, cfg: SchedulerConfig, models: RunModels) -> dict | None:
+    """The report of the run's scheduler if it is complete and was fitted with these settings (None:
+    none, or another)."""
+    marker = run.scheduler_dir / MARKER
+    if not marker.is_file() or not run.scheduler_report.is_file():
+        return None
+    if json.loads(marker.read_text()).get("settings") != scheduler_settings(run, cfg, models):
+        return None
+    return json.loads(run.scheduler_report.read_text())
+
+
+@dataclass
 class _Setup:
     """The loaded models and encoded requests of one training run."""
 
@@ -97,28 +150,30 @@ class _Setup:
     stop: StopCriteria
 
 
-def _setup(run: RunDir, cfg: SchedulerConfig) -> _Setup:
-    """Check the run and the prompts, load the LLM and SSMs, encode the requests, warm up."""
-    report = run.read_report()
-    ssm_paths = run.ssm_dirs()
-    if not ssm_paths:
+def _setup(run: RunDir, cfg: SchedulerConfig, models: RunModels) -> _Setup:
+    """Check the run and the prompts, load the SSMs (and the LLM unless handed over), encode the requests,
+    warm up."""
+    if not any(is_complete(d) for d in models.ssm_dirs):
         raise ValueError(f"{run}: no complete SSMs under ssms/; the scheduler needs trained SSMs")
-    widths = resolve_widths(cfg, report.get("tree"))
-    if cfg.feature_head and is_complete(run.feature_dir):
-        if len(widths[: cfg.label_depth]) > 2:
-            raise ValueError(f"scheduler.widths: the run's feature head is labelled on trees of at most two levels, "
-                             f"got {list(widths[: cfg.label_depth])}; set scheduler.widths (e.g. [3]) or "
-                             "scheduler.feature_head: false")
-        ssm_paths.append(run.feature_dir)
+    widths = resolve_widths(cfg, models.tree)
+    ssm_paths = _drafter_dirs(run, cfg, models)
+    if run.feature_dir in ssm_paths and len(widths[: cfg.label_depth]) > 2:
+        raise ValueError(f"scheduler.widths: the run's feature head is labelled on trees of at most two levels, "
+                         f"got {list(widths[: cfg.label_depth])}; set scheduler.widths (e.g. [3]) or "
+                         "scheduler.feature_head: false")
     train_prompts, eval_prompts = split_prompts(cfg)
     if len(train_prompts) < 3 or not eval_prompts:
         raise ValueError(
             f"scheduler: {len(train_prompts)} train and {len(eval_prompts)} eval prompts; need >= 3 "
             "and >= 1 (raise scheduler.limit or change scheduler.train_fraction)"
         )
-    dtype = cfg.dtype or report["llm"].get("dtype") or "fp32"
+    dtype = cfg.dtype or models.llm_dtype
     ssm_dtype = cfg.ssm_dtype or dtype
-    llm, ssms = load_llm_and_ssms(report["llm"]["ref"], [str(p) for p in ssm_paths], dtype, ssm_dtype)
+    if models.llm is None:
+        llm, ssms = load_llm_and_ssms(models.llm_ref, [str(p) for p in ssm_paths], dtype, ssm_dtype)
+    else:
+        llm = models.llm(parse_dtype(dtype))
+        ssms = load_ssms(llm, ssm_paths, ssm_dtype)
     ranking = None
     if cfg.draft_vocab:
         if not run.draft_vocab_path.is_file():
@@ -149,7 +204,7 @@ def _setup(run: RunDir, cfg: SchedulerConfig) -> _Setup:
         names=names,
         spec=FeatureSpec(hidden_size=hidden, ngram_buckets=cfg.ngram_buckets, lookup=cfg.prompt_lookup),
         widths=widths,
-        meta={"llm": report["llm"]["ref"], "dtype": dtype, "ssm_dtype": ssm_dtype, "ssms": names,
+        meta={"llm": models.llm_ref, "dtype": dtype, "ssm_dtype": ssm_dtype, "ssms": names,
               "draft_vocab": cfg.draft_vocab, "prompt_lookup": cfg.prompt_lookup},
         train_req=train_req,
         eval_req=eval_req,
@@ -165,20 +220,23 @@ def _timed(clock: dict[str, float], key: str) -> Iterator[None]:
 
 
 def train_scheduler(
-    run_dir: str | Path, cfg: SchedulerConfig, log: Callable[[str], None] | None = None
+    run_dir: str | Path, cfg: SchedulerConfig, log: Callable[[str], None] | None = None,
+    models: RunModels | None = None,
 ) -> dict:
-    """Train and evaluate the scheduler of a run; writes its files and returns the report.
+    """Train and evaluate the scheduler of a run; writes its files and returns the report as written.
 
     Args:
-        run_dir: a `boosttune train` run directory (report.json with the LLM and complete SSMs).
+        run_dir: a `boosttune train` run directory (complete SSMs).
         cfg: what to do (see ``SchedulerConfig``).
         log: progress lines (default: stderr).
+        models: the run's LLM and SSMs (default: read from its report.json, the LLM loaded here).
     """
     say = log or (lambda s: print(f"[train-scheduler] {s}", file=sys.stderr, flush=True))
     run, clock = RunDir(run_dir), {}
+    models = models or RunModels.of_run(run)
     (run.scheduler_dir / MARKER).unlink(missing_ok=True)  # a retrain is incomplete until it finishes
     with _timed(clock, "load_s"):
-        st = _setup(run, cfg)
+        st = _setup(run, cfg, models)
     with _timed(clock, "labels_s"):
         say(
             f"labelling {len(st.train_req)} train + {len(st.eval_req)} eval requests "
@@ -229,9 +287,10 @@ def train_scheduler(
     _write_labels(run.scheduler_labels, train_rec, eval_rec)
     atomic_write_json(run.scheduler_report, out)
     plot_tokens_per_s(out, run.scheduler_plot)
-    mark_complete(run.scheduler_dir, {"scheduler": run.scheduler_file.name, "report": f"../{run.scheduler_report.name}"})
+    mark_complete(run.scheduler_dir, {"scheduler": run.scheduler_file.name, "report": f"../{run.scheduler_report.name}",
+                                      "settings": scheduler_settings(run, cfg, models)})
     say(format_table(out))
-    return out
+    return json.loads(json.dumps(out))  # as the file holds it (tuples as lists), so a reader gets the same
 
 
 def fit_scheduler(
@@ -355,8 +414,6 @@ def _ticker(say: Callable[[str], None], total: int, verb: str) -> Callable[[int]
 
 
 def _write_labels(path: Path, train: list[RequestRecord], evals: list[RequestRecord]) -> None:
-    import json
-
     lines = [
         json.dumps({"split": s, **r.to_json()})
         for s, recs in (("train", train), ("eval", evals))
