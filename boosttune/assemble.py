@@ -25,7 +25,6 @@ from transformers import PreTrainedModel
 from boosttune.core.models import LoadedModel, load_llm_and_ssms
 from boosttune.core.rundir import SCHEDULER_FILE, ssm_name
 from boosttune.scheduler.policy import Scheduler
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.bundle import LoadedBundle, load_bundle
 from boosttune.serving.draft_vocab import ranking_for
 from boosttune.serving.drafter import Drafter
@@ -35,6 +34,7 @@ from boosttune.serving.lean import llm_runner
 from boosttune.serving.lookup import LOOKUP_NAME, lookup_tree
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
+from boosttune.serving.tree import TreeConfig
 
 
 @dataclass

@@ -25,11 +25,11 @@ from tqdm import tqdm
 from boosttune import assemble, llama_cpp
 from boosttune.core.models import LoadedModel, eos_token_ids, parse_dtype
 from boosttune.core.prompts import Prompt, encode_prompt, read_prompts
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.draft_vocab import find_ranking
 from boosttune.serving.engine import GenerationResult, Plan
 from boosttune.serving.stops import StopCriteria
+from boosttune.serving.tree import TreeConfig
 
 METHODS = ("baseline", "hf_plain", "hf_assisted", "hf_lookup", "ours", *llama_cpp.PEER_METHODS)
 DEFAULT_METHODS = ("baseline", "hf_assisted", "ours")

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from boosttune.core.rundir import RunDir
-from boosttune.serving.builders import (
+from boosttune.serving.tree import (
     TreeConfig,  # the `tree:` section: one tree shape for training, export, serving
 )
 

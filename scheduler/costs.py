@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from boosttune.scheduler.subsets import members
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.lookup import lookup_tree
+from boosttune.serving.tree import TreeConfig
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,9 @@ from boosttune.scheduler.features import FeatureSpec, RequestFeatures, request_f
 from boosttune.scheduler.model import LinearModel
 from boosttune.scheduler.persist import SchedulerFileError, read_scheduler_file, write_scheduler_file
 from boosttune.scheduler.subsets import all_masks, mask_of, members, monotone
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.engine import Plan, Planner
 from boosttune.serving.lookup import LOOKUP_NAME
+from boosttune.serving.tree import TreeConfig
 
 NOT_ADOPTED = "per-request choice not adopted (cross-validation)"
 """The fallback reason of every request when ``Scheduler.per_request`` is False."""

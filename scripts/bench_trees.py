@@ -4,7 +4,7 @@ interleaved question by question in one process, so that load from other jobs hi
 
 Each shape is ``NAME=WIDTHS`` or ``NAME=WIDTHS:LOOKUP`` (expansion widths; LOOKUP > 0 merges prompt
 lookup with up to that many tokens; ``NAME=lookup:N`` is prompt lookup alone), or
-``NAME=dyn:TOPK,DEPTH,BUDGET`` (EAGLE-2's dynamic tree, ``serving/builders.py``: the TOPK likeliest
+``NAME=dyn:TOPK,DEPTH,BUDGET`` (EAGLE-2's dynamic tree, ``serving/tree.py``: the TOPK likeliest
 nodes of each depth expanded by TOPK children, DEPTH levels, the BUDGET likeliest nodes kept). Every shape uses all
 ``--ssm`` drafters (SSMs or feature heads). Prints a markdown table: tokens/s, speed-up over plain
 decoding, τ (tokens per LLM forward after the prefill, as `boosttune bench` counts it), how many answers equal plain decoding's
@@ -29,9 +29,9 @@ from boosttune.assemble import engine_from_models
 from boosttune.cli.flags import int_list
 from boosttune.core.models import dtype_name, eos_token_ids, load_llm_and_ssms, parse_dtype
 from boosttune.core.prompts import encode_prompt, read_prompts
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.draft_vocab import ranking_for
 from boosttune.serving.stops import StopCriteria
+from boosttune.serving.tree import TreeConfig
 
 
 def parse_shape(text: str) -> tuple[str, tuple[int, ...], int]:

@@ -31,11 +31,11 @@ import torch
 from torch import Tensor
 
 from boosttune.core.ranks import token_ranks
-from boosttune.serving.builders import TreeConfig, choose_children, subtree
+from boosttune.serving.builders import choose_children, subtree
 from boosttune.serving.draft_vocab import head_ids
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams, logits_to_probs
-from boosttune.serving.tree import TokenTree, ancestor_mask
+from boosttune.serving.tree import TokenTree, TreeConfig, ancestor_mask
 
 
 @dataclass(frozen=True)

@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from boosttune.serving.builders import TreeConfig, merge_trees
+from boosttune.serving.builders import merge_trees
 from boosttune.serving.drafter import Drafter
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams, logits_to_probs, sample
 from boosttune.serving.stops import StopCriteria
-from boosttune.serving.tree import TokenTree, verification_inputs
+from boosttune.serving.tree import TokenTree, TreeConfig, verification_inputs
 from boosttune.serving.verify import greedy_branch_accepts, greedy_verify
 from boosttune.serving.verify_stochastic import stochastic_verify
 

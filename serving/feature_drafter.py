@@ -23,11 +23,10 @@ import torch
 from torch import Tensor
 
 from boosttune.core.feature_head import is_feature_head, pair_inputs, teacher_forced_ranks
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.drafter import Features, Replay, SSMDrafter
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams
-from boosttune.serving.tree import TokenTree
+from boosttune.serving.tree import TokenTree, TreeConfig
 
 
 class FeatureDrafter(SSMDrafter):

@@ -33,10 +33,10 @@ from torch import Tensor, nn
 
 from boosttune.core.feature_head import FC_FILE, FEATURE_FILE, attach_fc
 from boosttune.core.kind_file import declared_kind
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.drafter import Drafter, SSMDrafter
 from boosttune.serving.feature_drafter import FeatureDrafter
 from boosttune.serving.lookup import PromptLookupDrafter
+from boosttune.serving.tree import TreeConfig
 
 _CONFIG = "config.json"
 

@@ -28,10 +28,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.drafter import Features, Replay
 from boosttune.serving.sampling import SamplingParams
-from boosttune.serving.tree import TokenTree
+from boosttune.serving.tree import TokenTree, TreeConfig
 
 LOOKUP_NAME = "prompt-lookup"
 """How reports, bundles and schedulers name the prompt-lookup drafter."""

@@ -36,8 +36,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from boosttune.core.files import atomic_write_json
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.lookup import LOOKUP_NAME, lookup_tree
+from boosttune.serving.tree import TreeConfig
 
 MANIFEST = "manifest.json"
 BUNDLE_FORMAT = 2

@@ -25,7 +25,6 @@ from test_engine_sampling import (
 )
 
 from boosttune.assemble import engine_from_models
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.draft_vocab import coverage, head_ids, load_ranking, rank_tokens, save_ranking
 from boosttune.serving.drafter import SSMDrafter
@@ -33,6 +32,7 @@ from boosttune.serving.engine import Plan, SpeculativeEngine
 from boosttune.serving.lean import drafter_runner
 from boosttune.serving.runner import ModelRunner, restricted_head_error
 from boosttune.serving.stops import StopCriteria
+from boosttune.serving.tree import TreeConfig
 
 
 def test_ranking_orders_by_count_then_id_and_lists_every_token(tmp_path):

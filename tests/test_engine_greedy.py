@@ -7,13 +7,13 @@ import torch
 from conftest import perturbed, tiny_llama
 
 from boosttune.assemble import engine_from_models
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.drafter import SSMDrafter
 from boosttune.serving.engine import Plan, SpeculativeEngine
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
+from boosttune.serving.tree import TreeConfig
 
 TREES = {
     "chain": TreeConfig(widths=(1, 1, 1, 1)),

@@ -26,10 +26,10 @@ from conftest import perturbed, tiny_llama
 from scipy.stats import chisquare
 
 import boosttune.serving.engine as engine_mod
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.engine import Plan, SpeculativeEngine
 from boosttune.serving.sampling import SamplingParams, logits_to_probs
 from boosttune.serving.stops import StopCriteria
+from boosttune.serving.tree import TreeConfig
 
 VOCAB = 5
 PROMPT = [2, 3, 1]

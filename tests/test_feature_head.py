@@ -19,13 +19,13 @@ from boosttune.core.feature_head import (
     save_fc,
     save_head,
 )
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.engine import Plan, SpeculativeEngine
 from boosttune.serving.feature_drafter import FeatureDrafter
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
+from boosttune.serving.tree import TreeConfig
 from boosttune.train.distill import Sample
 from boosttune.train.feature import build_head, evaluate_head, head_losses, llm_features, train_head
 

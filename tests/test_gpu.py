@@ -22,13 +22,13 @@ from conftest import perturbed, tiny_llama
 import boosttune.kernels.tree_attention_triton as tat
 from boosttune.assemble import engine_from_models
 from boosttune.kernels.tree_attention import tree_attention_reference
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.drafter import SSMDrafter
 from boosttune.serving.engine import GenerationResult, Plan, SpeculativeEngine
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
+from boosttune.serving.tree import TreeConfig
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,12 +12,12 @@ from conftest import perturbed, tiny_llama
 
 from boosttune.assemble import engine_from_models
 from boosttune.serving import lean
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.drafter import SSMDrafter
 from boosttune.serving.lean import LeanRunner, drafter_runner, lean_reason
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.stops import StopCriteria
+from boosttune.serving.tree import TreeConfig
 
 
 def _close(a, b):

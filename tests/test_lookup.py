@@ -15,7 +15,6 @@ from test_engine_sampling import (
     sampling_models,
 )
 
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.drafter import SSMDrafter
 from boosttune.serving.engine import Plan, SpeculativeEngine
@@ -30,6 +29,7 @@ from boosttune.serving.lookup import (
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
+from boosttune.serving.tree import TreeConfig
 
 
 def cont(ctx, length, **kw) -> list[int]:

@@ -18,8 +18,8 @@ from boosttune.scheduler.offline.train import fit_scheduler
 from boosttune.scheduler.persist import SchedulerFileError, digest
 from boosttune.scheduler.policy import Candidate, Scheduler
 from boosttune.scheduler.subsets import monotone, union_survival
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.engine import Plan
+from boosttune.serving.tree import TreeConfig
 
 SPEC = FeatureSpec(hidden_size=2, ngram_buckets=1, lookup=False)  # the layout before the lookup feature
 IDS = [5, 6, 7, 8]  # any prompt of >= 2 tokens (the scheduler falls back without a prefill)

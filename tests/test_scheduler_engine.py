@@ -11,12 +11,12 @@ from boosttune.assemble import engine_from_models
 from boosttune.scheduler.features import FeatureSpec
 from boosttune.scheduler.offline.labels import label_request
 from boosttune.scheduler.offline.walk import walk
-from boosttune.serving.builders import TreeConfig, merge_trees
+from boosttune.serving.builders import merge_trees
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.engine import Plan, SpeculativeEngine
 from boosttune.serving.lookup import LOOKUP_NAME, lookup_tree
 from boosttune.serving.stops import StopCriteria
-from boosttune.serving.tree import TokenTree
+from boosttune.serving.tree import TokenTree, TreeConfig
 from boosttune.serving.verify import greedy_branch_accepts, greedy_verify
 
 PROMPT = [3, 4, 5, 6, 7]

@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM
 from boosttune.assemble import engine_from_models
 from boosttune.core.models import load_model
 from boosttune.core.prompts import encode_prompt, read_prompts
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.stops import StopCriteria
+from boosttune.serving.tree import TreeConfig
 
 
 def truncated(model, layers: int):

@@ -11,7 +11,7 @@ import pytest
 
 from boosttune.config import ConfigError, TrainConfig, dump_yaml, load_config
 from boosttune.core.rundir import RunDir
-from boosttune.serving.builders import TreeConfig
+from boosttune.serving.tree import TreeConfig
 from boosttune.train.pipeline import check_or_save_config
 
 ROOT = Path(__file__).resolve().parents[1]

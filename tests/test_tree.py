@@ -5,9 +5,16 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from boosttune.serving.builders import TreeConfig, choose_children, merge_trees, rerank_keep, subtree
+from boosttune.serving.builders import choose_children, merge_trees, subtree
 from boosttune.serving.kv import compact_cache
-from boosttune.serving.tree import TokenTree, ancestor_mask, path_to, verification_inputs
+from boosttune.serving.tree import (
+    TokenTree,
+    TreeConfig,
+    ancestor_mask,
+    path_to,
+    rerank_keep,
+    verification_inputs,
+)
 
 
 def make_tree(parents: list[int], tokens: list[int], proposer: int = 0) -> TokenTree:

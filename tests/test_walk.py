@@ -16,9 +16,9 @@ from boosttune.scheduler.offline.labels import RequestRecord
 from boosttune.scheduler.offline.stepwise import fit_ngram_depths
 from boosttune.scheduler.offline.walk import Labels, walk, walk_seconds
 from boosttune.scheduler.policy import Candidate
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.drafter import draft_ranks
 from boosttune.serving.lookup import find_match, lookup_positions
+from boosttune.serving.tree import TreeConfig
 
 
 def test_walk_steps_over_positions():

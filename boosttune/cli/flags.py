@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING
 
-from boosttune.serving.builders import TREE_POLICIES, TreeConfig
+from boosttune.serving.tree import TREE_POLICIES, TreeConfig
 
 if TYPE_CHECKING:  # the assembly loads transformers: only when a command runs
     from boosttune.assemble import Served

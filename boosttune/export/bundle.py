@@ -35,7 +35,6 @@ from boosttune.export.common import (
 from boosttune.scheduler.persist import SchedulerFileError
 from boosttune.scheduler.policy import Scheduler
 from boosttune.serving import kinds
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.bundle import llm_content_hash
 from boosttune.serving.lookup import LOOKUP_NAME, lookup_tree
 from boosttune.serving.manifest import (
@@ -49,6 +48,7 @@ from boosttune.serving.manifest import (
     LLMEntry,
     Manifest,
 )
+from boosttune.serving.tree import TreeConfig
 
 # Each drafter's kind says which files of its directory a bundle carries (serving/kinds.py); the rest
 # (tokenizer files, the completion marker) is either carried once for all or irrelevant to serving.

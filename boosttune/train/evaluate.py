@@ -23,10 +23,10 @@ from boosttune.core.progress import progress
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.core.rundir import FEATURE_NAME, RunDir, ssm_name
 from boosttune.serving import kinds
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.draft_vocab import load_ranking
 from boosttune.serving.engine import SpeculativeEngine
 from boosttune.serving.stops import StopCriteria
+from boosttune.serving.tree import TreeConfig
 from boosttune.train.sources import TrainPrompt
 
 

@@ -53,11 +53,11 @@ from boosttune.scheduler.offline.report import build_report, format_table
 from boosttune.scheduler.offline.stepwise import fit_ngram_depths
 from boosttune.scheduler.policy import Candidate, Scheduler, candidates, default_drafters
 from boosttune.scheduler.subsets import members, union_survival
-from boosttune.serving.builders import TreeConfig
 from boosttune.serving.draft_vocab import load_ranking
 from boosttune.serving.engine import Plan, SpeculativeEngine
 from boosttune.serving.lookup import LOOKUP_NAME
 from boosttune.serving.stops import StopCriteria
+from boosttune.serving.tree import TreeConfig
 
 
 def resolve_widths(cfg: SchedulerConfig, tree: dict | None) -> tuple[int, ...]:
