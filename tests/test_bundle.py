@@ -315,7 +315,7 @@ def test_export_of_a_draft_vocabulary_needs_the_run_ranking(tmp_path):
 def test_bundle_default_prompt_lookup_serves_without_a_scheduler(tmp_path):
     """`export --prompt-lookup N` makes the server (no scheduler) draft with prompt lookup too."""
     from boosttune.serving.decode import incremental_generate
-    from boosttune.serving.http.server import ServerConfig, create_app
+    from boosttune.http.server import ServerConfig, create_app
     from boosttune.serving.lookup import LOOKUP_NAME, PromptLookupDrafter
     from boosttune.serving.stops import StopCriteria
 

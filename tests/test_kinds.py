@@ -17,7 +17,7 @@ from boosttune.serving import kinds
 from boosttune.serving.bundle import load_bundle, verify_bundle
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.drafter import SSMDrafter
-from boosttune.serving.http.server import ServerConfig, create_app
+from boosttune.http.server import ServerConfig, create_app
 from boosttune.serving.manifest import MANIFEST, BundleError
 from boosttune.serving.stops import StopCriteria
 

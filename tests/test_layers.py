@@ -25,11 +25,17 @@ LAYERS: list[tuple[str, ...]] = [
     ("boosttune.scheduler",),  # the learned scheduler at serve time: features, model, costs, policy
     ("boosttune",),  # config, assemble (the one engine assembly), bench
     # training the scheduler; the HTTP server; export (above boosttune: a bundle records its __version__)
-    ("boosttune.scheduler.offline", "boosttune.serving.http", "boosttune.export"),
+    ("boosttune.scheduler.offline", "boosttune.http", "boosttune.export"),
     ("boosttune.train",),  # the boost-tuning pipeline (its last phase trains the scheduler)
     ("boosttune.cli",),  # the commands
 ]
 LAYER = {package: i for i, packages in enumerate(LAYERS) for package in packages}
+# The order inside the ``boosttune`` package's own layer: its top-level modules, lowest first.
+BOOSTTUNE_MODULES: list[tuple[str, ...]] = [
+    ("boosttune", "boosttune.config", "boosttune.llama_cpp"),  # typed configs; the llama.cpp peer
+    ("boosttune.assemble",),  # the one engine assembly
+    ("boosttune.bench",),  # benchmarks through assemble and the peers
+]
 # Packages that only group modules of their parent's layer (one phase of it): counted as the parent
 # here, since they both use and serve its other modules; test_no_module_cycle still checks every module.
 INNER = {"boosttune.train.teacher"}
@@ -206,7 +212,7 @@ def test_no_package_cycle():
 def test_serving_and_scheduler_never_import_training_or_the_cli():
     """The rule the layers exist for, spelled out: what serves a bundle does not need what trains one."""
     graph = package_graph()
-    below = ("boosttune.serving", "boosttune.serving.http", "boosttune.scheduler")
+    below = ("boosttune.serving", "boosttune.http", "boosttune.scheduler")
     for p in below:
         assert not graph[p] & {"boosttune.train", "boosttune.cli", "boosttune.scheduler.offline"}, p
 
@@ -223,3 +229,14 @@ def test_no_module_cycle():
     cycles = cycles_in(module_graph())
     shown = ["\n".join(f"  {where}: {a} imports {b}" for a, b, where in cycle) for cycle in cycles]
     assert not cycles, "module cycles:\n" + "\n\n".join(shown)
+
+
+def test_boosttune_modules_have_an_order_and_import_down():
+    """Inside the ``boosttune`` layer too: every top-level module has a place, and imports point down."""
+    modules, edges = module_edges()
+    top = {m for m in modules if m == "boosttune" or (m.count(".") == 1 and m not in LAYER)}
+    rank = {m: i for i, group in enumerate(BOOSTTUNE_MODULES) for m in group}
+    assert top == set(rank), f"give each module of boosttune/ a place in BOOSTTUNE_MODULES: {sorted(top ^ set(rank))}"
+    bad = [f"{where}: {a} imports {b}" for a, b, where in edges
+           if a in rank and b in rank and a != "boosttune" and rank[b] >= rank[a] and b != "boosttune"]
+    assert not bad, "imports inside the boosttune layer that do not point down:\n" + "\n".join(bad)

@@ -28,9 +28,9 @@ from boosttune.export.bundle import export_bundle
 from boosttune.serving.bundle import load_bundle
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.engine import GenerationResult
-from boosttune.serving.http.server import ServerConfig, ServerThread, create_app
-from boosttune.serving.http.text import TextStream
-from boosttune.serving.http.worker import (
+from boosttune.http.server import ServerConfig, ServerThread, create_app
+from boosttune.http.text import TextStream
+from boosttune.http.worker import (
     CancelledEvent,
     DoneEvent,
     EngineWorker,

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from boosttune.export.bundle import export_bundle
 from boosttune.serving.bundle import load_bundle
-from boosttune.serving.http.server import ServerConfig, ServerThread, create_app
+from boosttune.http.server import ServerConfig, ServerThread, create_app
 
 MODEL = "tiny-bundle"
 

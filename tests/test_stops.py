@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from boosttune.core.models import resolve_model_path
-from boosttune.serving.http.text import TextStream
+from boosttune.http.text import TextStream
 from boosttune.serving.stops import StopCriteria
 
 

@@ -31,7 +31,7 @@ def add_commands(sub) -> dict:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from boosttune.serving.bundle import load_bundle
-    from boosttune.serving.http.server import ServerConfig, run_server
+    from boosttune.http.server import ServerConfig, run_server
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")

@@ -47,8 +47,8 @@ from starlette.requests import ClientDisconnect
 from boosttune import assemble
 from boosttune.serving.bundle import LoadedBundle
 from boosttune.serving.engine import GenerationResult
-from boosttune.serving.http.metrics import RequestMetricsMiddleware, ServerMetrics
-from boosttune.serving.http.protocol import (
+from boosttune.http.metrics import RequestMetricsMiddleware, ServerMetrics
+from boosttune.http.protocol import (
     APIError,
     GenerationRequest,
     ModelLimits,
@@ -60,8 +60,8 @@ from boosttune.serving.http.protocol import (
     usage,
     usage_chunk,
 )
-from boosttune.serving.http.text import TextStream
-from boosttune.serving.http.worker import (
+from boosttune.http.text import TextStream
+from boosttune.http.worker import (
     CancelledEvent,
     DoneEvent,
     EngineWorker,
