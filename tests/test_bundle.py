@@ -22,7 +22,7 @@ from boosttune.serving.manifest import BUNDLE_FORMAT, MANIFEST, BundleError, par
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    return make_run_dir(tmp_path_factory.mktemp("run"))
+    return make_run_dir(tmp_path_factory.mktemp("run"), scheduler=True)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,8 @@ def test_export_lists_every_file_with_its_hash(bundle, run_dir):
     assert not any(p.name.startswith("tokenizer") for p in (bundle / "ssms").rglob("*"))
     assert not any(p.suffix in (".bin", ".pt", ".pkl", ".pickle") for p in bundle.rglob("*"))
     # The scheduler directory is copied file for file (its hidden temporary is not).
-    assert m["scheduler"] == {"dir": "scheduler", "files": ["scheduler/features/names.txt", "scheduler/policy.json"]}
+    assert m["scheduler"] == {"dir": "scheduler", "files": ["scheduler/features/names.txt", "scheduler/policy.json",
+                                                            "scheduler/scheduler.json"]}
     assert all(s["tree"] == TREE for s in m["drafters"])  # each drafter carries its own tree
     assert m["llm"]["ref"] == "tiny-random" and len(m["llm"]["sha256"]) == 64
     assert set(m["llm"]["files"]) >= {"config.json", "model.safetensors"}
@@ -314,8 +315,8 @@ def test_export_of_a_draft_vocabulary_needs_the_run_ranking(tmp_path):
 
 def test_bundle_default_prompt_lookup_serves_without_a_scheduler(tmp_path):
     """`export --prompt-lookup N` makes the server (no scheduler) draft with prompt lookup too."""
-    from boosttune.serving.decode import incremental_generate
     from boosttune.http.server import ServerConfig, create_app
+    from boosttune.serving.decode import incremental_generate
     from boosttune.serving.lookup import LOOKUP_NAME, PromptLookupDrafter
     from boosttune.serving.stops import StopCriteria
 
