@@ -107,19 +107,19 @@ class DrafterKind:
         unexpected = sorted(set(shapes) - set(needed))
         if unexpected:
             raise ValueError(f"{directory / where[unexpected[0]]}: tensor {unexpected[0]!r}"
-                             f"{f' and {len(unexpected) - 1} more' if len(unexpected) > 1 else ''} not in the model "
-                             f"{_CONFIG} describes (a config with fewer layers than the weights?)")
+                             f"{f' and {len(unexpected) - 1} more' if len(unexpected) > 1 else ''}: not in the "
+                             f"model that {_CONFIG} describes (a config with fewer layers than the weights?)")
         tied = {n for names in groups.values() if len(names) > 1 for n in names}
         missing = sorted(n for n in needed if n not in shapes and not (
             n in tied and any(m in shapes for names in groups.values() if n in names for m in names)))
         if missing:
             raise ValueError(f"{directory}: the weights lack tensor {missing[0]!r}"
-                             f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''} that the model "
-                             f"{_CONFIG} describes needs (missing weights, or a config with more layers)")
+                             f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''} of the model "
+                             f"that {_CONFIG} describes (missing weights, or a config with more layers)")
         for name, shape in shapes.items():
             if shape != needed[name]:
                 raise ValueError(f"{directory / where[name]}: tensor {name!r} has shape {list(shape)}, the model "
-                                 f"{_CONFIG} describes needs {list(needed[name])}")
+                                 f"that {_CONFIG} describes needs {list(needed[name])}")
         return model
 
     def load(self, directory: Path, dtype: torch.dtype) -> nn.Module | None:
