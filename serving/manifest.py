@@ -59,7 +59,11 @@ FC_MARKER = "feature_fc.safetensors"
 
 
 class BundleError(ValueError):
-    """A bundle (or the LLM it names) that cannot be served as it is; the message names the file."""
+    """A bundle (or the LLM it names) that cannot be served as it is; the message names the file and is
+    one line (whitespace runs, such as the newlines of a library's error quoted in it, become one space)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))
 
 
 def json_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:

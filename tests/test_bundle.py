@@ -634,7 +634,8 @@ def _missing_tensor(root: Path) -> str:
 
 def _raising_chat_template(root: Path) -> str:
     rel = "tokenizer/chat_template.jinja"
-    (root / rel).write_text("{{ raise_exception('refused by the template') }}")
+    # the message has a line break: the refusal must still be one line
+    (root / rel).write_text("{{ raise_exception('refused\\nby the template') }}")
     _rehash(root, rel)
     return rel
 

@@ -107,8 +107,9 @@ def test_bad_input_fails_fast_naming_the_field(tiny_dirs, tmp_path, capsys):
     rc = main(["bench", "--llm", str(tiny_dirs / "llm"), "--questions", str(MT_BENCH), "--out", str(tmp_path / "o"),
                "--methods", "baseline,hf_lookup"])
     assert rc == 2 and "--prompt-lookup" in capsys.readouterr().err
-    rc = main(["generate", "--llm", str(tiny_dirs / "llm"), "hi", "--prompt-lookup", "-1"])
-    assert rc == 2 and "--prompt-lookup" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # out of its range: refused by argparse, before anything loads
+        main(["generate", "--llm", str(tiny_dirs / "llm"), "hi", "--prompt-lookup", "-1"])
+    assert e.value.code == 2 and "--prompt-lookup" in capsys.readouterr().err
     rc = main(["generate", "--llm", str(tiny_dirs / "llm"), "--ssm", str(tiny_dirs / "ssm"), "hi", "--top-p", "0"])
     assert rc == 2 and "top_p" in capsys.readouterr().err
 

@@ -68,7 +68,7 @@ def tree_widths(text: str) -> tuple[int, ...]:
     try:
         check_tree_limits("expansion", widths, 1, 1, 1)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).replace("tree.widths", text, 1)) from None
+        raise argparse.ArgumentTypeError(str(e).replace("tree.widths", "widths", 1)) from None
     return widths
 
 
