@@ -19,11 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from boosttune.core.files import atomic_write_text
+from boosttune.serving.manifest import MAX_JSON_DEPTH, json_depth
 
 FORMAT = "boosttune.scheduler"
 VERSION = 1
 ALLOWED_TYPES = frozenset({"scheduler", "feature_spec", "linear_model", "cost_model"})
 _RETRAIN = "retrain it with `boosttune train-scheduler RUN_DIR`"
+MAX_SCHEDULER_BYTES = 64 << 20
+"""Larger scheduler files are refused unread (one holds a linear model over the LLM's hidden width: a few
+MiB for a 4096-wide LLM)."""
 
 
 class SchedulerFileError(ValueError):
@@ -51,12 +55,20 @@ def read_scheduler_file(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
         raise SchedulerFileError(f"{p}: no scheduler file there; {_RETRAIN}")
+    size = p.stat().st_size
+    if size > MAX_SCHEDULER_BYTES:
+        raise SchedulerFileError(f"{p}: {size} bytes, more than a scheduler file may have ({MAX_SCHEDULER_BYTES}); "
+                                 f"{_RETRAIN}")
     try:
         envelope = json.loads(p.read_bytes().decode("utf-8"), parse_constant=_refuse_constant)
     except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
         raise SchedulerFileError(
             f"{p}: not a JSON scheduler file ({e}); pickle/skops files are never loaded; {_RETRAIN}"
         ) from None
+    except RecursionError:  # json recurses once per nesting level
+        raise SchedulerFileError(f"{p}: JSON nested too deeply for a scheduler file; {_RETRAIN}") from None
+    if json_depth(envelope) > MAX_JSON_DEPTH:  # before anything recurses over it (check_types, digest)
+        raise SchedulerFileError(f"{p}: JSON nested deeper than {MAX_JSON_DEPTH} levels; {_RETRAIN}")
     if not isinstance(envelope, dict) or envelope.get("format") != FORMAT:
         got = envelope.get("format") if isinstance(envelope, dict) else type(envelope).__name__
         raise SchedulerFileError(f"{p}: format {got!r} is not {FORMAT!r}; {_RETRAIN}")

@@ -32,6 +32,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,7 +45,7 @@ from boosttune.scheduler.persist import SchedulerFileError, read_scheduler_file,
 from boosttune.scheduler.subsets import all_masks, mask_of, members, monotone
 from boosttune.serving.engine import Plan, Planner
 from boosttune.serving.lookup import LOOKUP_NAME
-from boosttune.serving.tree import TreeConfig
+from boosttune.serving.tree import MAX_TREE_DEPTH, MAX_TREE_NODES, TreeConfig, check_tree_limits
 
 NOT_ADOPTED = "per-request choice not adopted (cross-validation)"
 """The fallback reason of every request when ``Scheduler.per_request`` is False."""
@@ -382,6 +383,9 @@ class Scheduler:
 
     @classmethod
     def from_json(cls, body: dict) -> Scheduler:
+        """The scheduler a file's body describes; every field type-checked and every size bounded
+        (``check_scheduler_body``) before anything is built from it."""
+        check_scheduler_body(body)
         return cls(
             spec=FeatureSpec.from_json(body["spec"]),
             model=LinearModel.from_json(body["model"]),
@@ -409,8 +413,76 @@ class Scheduler:
         body = read_scheduler_file(path)
         try:
             return cls.from_json(body)
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
             raise SchedulerFileError(
                 f"{path}: malformed scheduler ({type(e).__name__}: {e}); "
                 "retrain it with `boosttune train-scheduler RUN_DIR`"
             ) from None
+
+
+MAX_SCHEDULER_DRAFTERS = 8
+"""The most drafters a scheduler chooses among (it predicts 2**N - 1 subsets: 255 at 8; training writes
+one per shipped SSM, plus prompt lookup)."""
+MAX_FEATURE_WIDTH = 1 << 16
+"""The widest LLM hidden state and the most n-gram buckets a feature spec may name."""
+
+_NUMBER = (int, float)
+
+
+def _typed(obj: dict, key: str, kind: type | tuple[type, ...], where: str, optional: bool = False) -> Any:
+    """``obj[key]`` of JSON type ``kind`` (bools are not numbers), else a ``ValueError`` naming it."""
+    if key not in obj or (optional and obj[key] is None):
+        if optional:
+            return None
+        raise ValueError(f"{where}.{key} is missing")
+    value = obj[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise ValueError(f"{where}.{key} must be {' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__}")
+    return value
+
+
+def _int_list(obj: dict, key: str, where: str, lo: int, hi: int, optional: bool = False) -> list[int]:
+    values = _typed(obj, key, list, where, optional) or []
+    if len(values) > MAX_TREE_DEPTH or not all(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+                                               for v in values):
+        raise ValueError(f"{where}.{key} must be at most {MAX_TREE_DEPTH} integers in {lo} .. {hi}")
+    return values
+
+
+def check_scheduler_body(body: dict) -> None:
+    """Refuse a scheduler body whose fields have the wrong JSON types or ask for more than the limits
+    allow (``serving/tree.py``'s tree limits for widths and depths, ``MAX_SCHEDULER_DRAFTERS``,
+    ``MAX_FEATURE_WIDTH``): a ``ValueError`` naming the field. What the types cannot say (consistent
+    shapes, finite costs) the components check as they are built."""
+    where = "body"
+    widths = _int_list(body, "widths", where, 1, MAX_TREE_NODES)
+    check_tree_limits("expansion", tuple(widths), 1, 1, 1)
+    spec = _typed(body, "spec", dict, where)
+    for key in ("hidden_size", "ngram_buckets"):
+        n = _typed(spec, key, int, f"{where}.spec")
+        if not 0 <= n <= MAX_FEATURE_WIDTH:
+            raise ValueError(f"{where}.spec.{key} must be in 0 .. {MAX_FEATURE_WIDTH}, got {n}")
+    model = _typed(body, "model", dict, where)
+    for key in ("x_mean", "x_scale", "pca_mean", "components", "pca_std", "coef", "intercept"):
+        _typed(model, key, list, f"{where}.model")
+    costs = _typed(body, "costs", dict, where)
+    _int_list(costs, "depths", f"{where}.costs", 1, MAX_TREE_DEPTH)
+    for key in ("nodes_per_ssm", "draft_s", "ssm_prefill_s_per_token", "verify_nodes", "verify_s", "overhead_s"):
+        _typed(costs, key, list, f"{where}.costs")
+    n = len(costs["draft_s"])
+    if not 1 <= n <= MAX_SCHEDULER_DRAFTERS:
+        raise ValueError(f"{where}.costs.draft_s must have 1 .. {MAX_SCHEDULER_DRAFTERS} drafters, got {n}")
+    for key in ("expected_new_tokens", "z_max", "margin"):
+        _typed(body, key, _NUMBER, where)
+    fallback = _typed(body, "fallback", dict, where)
+    _typed(fallback, "mask", int, f"{where}.fallback")
+    _typed(fallback, "depth", int, f"{where}.fallback")
+    _typed(body, "meta", dict, where, optional=True)
+    _typed(body, "draft_vocab", int, where, optional=True)
+    _typed(body, "prompt_lookup", bool, where, optional=True)
+    _typed(body, "per_request", bool, where, optional=True)
+    _int_list(body, "lookup_depths", where, 0, MAX_TREE_DEPTH, optional=True)
+    drafters = _typed(body, "drafters", list, where, optional=True) or []
+    if not all(isinstance(d, str) for d in drafters):
+        raise ValueError(f"{where}.drafters must be a list of names")

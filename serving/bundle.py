@@ -18,10 +18,14 @@ safetensors weight files (:func:`llm_content_hash`).
 Loading (:func:`load_bundle`) checks, before any weight is read: the manifest (at most 1 MiB) parses,
 its format is one this code reads, every path stays inside the bundle, every listed file is there
 with its size and sha256, no unlisted file or link is there, each drafter's kind is registered and
-finds its files, each config and safetensors header parses, and the LLM that was found hashes to the
-manifest's hash.
+finds its files (a model's config builds it, on the meta device, and its safetensors headers hold
+exactly that model's tensors: ``DrafterKind.check``), every JSON file of the tokenizer, the drafters
+and the scheduler parses within ``MAX_JSON_DEPTH``, a scheduler directory holds its ``scheduler.json``,
+and the LLM that was found hashes to the manifest's hash. Then the tokenizer loads and renders a probe
+conversation through its chat template, before any model loads.
 Each refusal is a :class:`BundleError` naming the file and the fix. Weights load from safetensors
-only (``use_safetensors=True``) and the scheduler files are handed over unread: nothing is unpickled.
+only (``use_safetensors=True``), the scheduler is JSON (``scheduler/persist.py``, read by the
+assembly: this layer does not import the scheduler) and nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -35,8 +39,16 @@ from typing import Any
 import torch
 
 from boosttune.core.files import sha256_file
+from boosttune.core.rundir import SCHEDULER_FILE
 from boosttune.serving import kinds
-from boosttune.serving.manifest import MANIFEST, BundleError, Manifest, read_manifest
+from boosttune.serving.manifest import (
+    MANIFEST,
+    MAX_JSON_DEPTH,
+    BundleError,
+    Manifest,
+    json_depth,
+    read_manifest,
+)
 
 # LLM files that define its outputs: hashed at export, checked at load. Tokenizer files are not
 # among them because the bundle carries its own copy of the tokenizer.
@@ -91,6 +103,9 @@ def verify_files(root: Path, manifest: Manifest) -> None:
                 raise BundleError(f"{MANIFEST}: no file of the tokenizer directory {rel}/ is listed under 'files'")
         elif rel not in listed:
             raise BundleError(f"{MANIFEST}: {what} file {rel} is not listed under 'files' (no hash to check it by)")
+    if manifest.scheduler_dir is not None and scheduler_file(manifest) not in manifest.scheduler_files:
+        raise BundleError(f"{MANIFEST}: the scheduler directory {manifest.scheduler_dir}/ has no {SCHEDULER_FILE}; "
+                          "a bundle served without its scheduler would decode unlike the one trained: re-export it")
     root_resolved = root.resolve()
     for rel, entry in sorted(listed.items()):
         path = root / rel
@@ -121,6 +136,26 @@ def verify_files(root: Path, manifest: Manifest) -> None:
             raise BundleError(f"bundle file {rel} is not listed in {MANIFEST}; remove it or re-export the bundle")
 
 
+def scheduler_file(manifest: Manifest) -> str:
+    """The bundle path of the learned scheduler's file (the manifest must name a scheduler directory)."""
+    return f"{manifest.scheduler_dir}/{SCHEDULER_FILE}"
+
+
+def verify_json_files(root: Path, manifest: Manifest) -> None:
+    """Every JSON file the bundle loads (tokenizer, drafter stats and profiles, the scheduler, the draft
+    vocabulary) parses, within ``MAX_JSON_DEPTH``; a refusal names the file (the tokenizer library's
+    own error names none)."""
+    names = [f for f in manifest.files if f.startswith(manifest.tokenizer + "/") and f.endswith(".json")]
+    for d in manifest.drafters:
+        names += [p for p in (d.stats, d.acceptance_profile) if p]
+    if manifest.scheduler_dir is not None:
+        names.append(scheduler_file(manifest))
+    if manifest.draft_vocab is not None:
+        names.append(manifest.draft_vocab)
+    for rel in names:
+        _read_json(root / rel, rel)
+
+
 def verify_drafter_files(root: Path, manifest: Manifest) -> None:
     """Each drafter's kind is registered and finds what it needs in its directory; each config.json is
     a model config and each safetensors header parses (hashes cannot tell: a manifest rewritten
@@ -138,10 +173,6 @@ def verify_drafter_files(root: Path, manifest: Manifest) -> None:
             raise BundleError(f"{MANIFEST}: drafter {d.name!r} of kind {d.kind!r} {need}; re-export the bundle")
         if d.dir is None:
             continue
-        try:
-            kind.check(root / d.dir)
-        except ValueError as e:
-            raise BundleError(f"bundle directory {d.dir}: {e}; re-export the bundle") from None
         assert d.config is not None  # parse_manifest requires it of entries with a dir
         config = _read_json(root / d.config, d.config)
         if not isinstance(config, dict):
@@ -160,6 +191,10 @@ def verify_drafter_files(root: Path, manifest: Manifest) -> None:
                     f.keys()
             except (SafetensorError, OSError) as e:
                 raise BundleError(f"bundle file {w} is not a valid safetensors file ({e}); re-export the bundle") from None
+        try:  # the kind's own needs: its files, a config that builds the model, exactly its tensors
+            kind.check(root / d.dir)
+        except ValueError as e:
+            raise BundleError(f"bundle directory {d.dir}: {e}; re-export the bundle") from None
 
 
 def resolve_llm_dir(manifest: Manifest, override: str | None = None) -> Path:
@@ -229,6 +264,7 @@ def verify_bundle(bundle: str | Path, llm: str | None = None) -> VerifiedBundle:
     root = Path(bundle)
     manifest = read_manifest(root)
     verify_files(root, manifest)
+    verify_json_files(root, manifest)
     verify_drafter_files(root, manifest)
     llm_dir = resolve_llm_dir(manifest, llm)
     verify_llm(llm_dir, manifest)
@@ -288,15 +324,13 @@ def load_bundle(
         dtype: dtype of the LLM, and of the drafters unless ``ssm_dtype`` is given.
         ssm_dtype: dtype of the drafters (the output depends only on the LLM's).
     """
-    from transformers import AutoTokenizer
-
     from boosttune.core.models import LoadedModel, check_same_vocabulary, model_vocab_size, parse_dtype
 
     verified = verify_bundle(bundle, llm)
     root, manifest = verified.root, verified.manifest
     llm_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     ssm_torch_dtype = llm_dtype if ssm_dtype is None else (parse_dtype(ssm_dtype) if isinstance(ssm_dtype, str) else ssm_dtype)
-    tokenizer = AutoTokenizer.from_pretrained(root / manifest.tokenizer)
+    tokenizer = load_tokenizer(root, manifest)
     llm_model = kinds.load_causal_lm(verified.llm_dir, llm_dtype)
     gen = llm_model.generation_config
     if gen is not None and gen.pad_token_id is None:
@@ -334,12 +368,45 @@ def load_bundle(
     )
 
 
+PROBE_CONVERSATION = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2 + 2?"}]
+"""What the chat template must render at load: a template that raises on it would fail every chat request."""
+
+
+def load_tokenizer(root: Path, manifest: Manifest) -> Any:
+    """The bundle's tokenizer, its chat template (if any) rendered once on ``PROBE_CONVERSATION``; a
+    :class:`BundleError` naming its directory and file otherwise. The template runs in transformers'
+    Jinja sandbox, as it does for every chat request."""
+    from transformers import AutoTokenizer
+
+    where = root / manifest.tokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where)
+    # tokenizers and transformers raise what their parsers raise (ValueError, KeyError, Exception from
+    # the Rust side): any failure is the bundle's tokenizer files'
+    except Exception as e:
+        raise BundleError(f"bundle directory {manifest.tokenizer}/: the tokenizer does not load "
+                          f"({type(e).__name__}: {e}); re-export the bundle") from None
+    if getattr(tokenizer, "chat_template", None):
+        template = next((f for f in ("chat_template.jinja", "tokenizer_config.json") if (where / f).is_file()),
+                        "tokenizer_config.json")
+        try:
+            tokenizer.apply_chat_template(PROBE_CONVERSATION, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # Jinja's TemplateError, a sandbox SecurityError, or what the template raises
+            raise BundleError(f"bundle file {manifest.tokenizer}/{template}: the chat template fails on a probe "
+                              f"conversation ({type(e).__name__}: {e}); re-export the bundle") from None
+    return tokenizer
+
+
 def _read_json(path: Path, rel: str | None = None) -> Any:
     """``path``'s JSON; a :class:`BundleError` naming ``rel`` (its bundle path; default: its name) if it is not."""
     name = rel or path.name
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BundleError(f"bundle file {name}: not valid JSON ({e}); re-export the bundle") from None
     except RecursionError:  # json recurses once per nesting level
         raise BundleError(f"bundle file {name}: JSON nested too deeply; re-export the bundle") from None
+    if json_depth(data) > MAX_JSON_DEPTH:
+        raise BundleError(f"bundle file {name}: JSON nested deeper than {MAX_JSON_DEPTH} levels; re-export the bundle")
+    return data

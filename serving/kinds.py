@@ -32,6 +32,8 @@ import torch
 from torch import Tensor, nn
 
 from boosttune.core.feature_head import FC_FILE, FEATURE_FILE, attach_fc
+from boosttune.core.feature_head import FORMAT as FEATURE_FORMAT
+from boosttune.core.feature_head import VERSION as FEATURE_VERSION
 from boosttune.core.kind_file import declared_kind
 from boosttune.serving.drafter import Drafter, SSMDrafter
 from boosttune.serving.feature_drafter import FeatureDrafter
@@ -51,11 +53,74 @@ class DrafterKind:
     """The `boosttune train` phase that trains it ("" for kinds that need no training)."""
 
     def check(self, directory: Path) -> None:
-        """Refuse ``directory`` (a ``ValueError`` naming the file) if it lacks what this kind needs."""
+        """Refuse ``directory`` (a ``ValueError`` naming the file) if it lacks what this kind needs:
+        a config that builds a model and weights that are exactly that model's (``check_model``)."""
         if not (directory / _CONFIG).is_file():
             raise ValueError(f"{directory}: no {_CONFIG}; a {self.name} drafter is a transformers model directory")
         if not any(p.suffix == ".safetensors" for p in directory.iterdir()):
             raise ValueError(f"{directory}: no *.safetensors weights for this {self.name} drafter")
+        self.check_model(directory)
+
+    @staticmethod
+    def check_model(directory: Path, skip: tuple[str, ...] = ()) -> nn.Module:
+        """Build the model ``config.json`` describes on the meta device (nothing allocated, nothing from
+        the directory executed: no remote code) and compare its tensors with the safetensors headers of
+        ``directory`` (files named in ``skip`` aside): every tensor the model needs must be there with its
+        shape, and none other. Missing tensors would be randomly initialised and unexpected ones dropped
+        by ``from_pretrained``, both silently (a config with more or fewer layers than its weights).
+        Returns the meta model (its shapes). Raises ``ValueError`` naming the file."""
+        from safetensors import SafetensorError, safe_open
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        shapes: dict[str, tuple[int, ...]] = {}
+        where: dict[str, str] = {}
+        for f in sorted(directory.glob("*.safetensors")):
+            if f.name in skip:
+                continue
+            try:
+                with safe_open(f, framework="pt") as st:
+                    for key in st.keys():
+                        shapes[key], where[key] = tuple(st.get_slice(key).get_shape()), f.name
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{f}: not a valid safetensors file ({e})") from None
+        config_file = directory / _CONFIG
+        try:
+            config = AutoConfig.from_pretrained(directory)
+        # transformers reports bad fields as TypeError, ValueError or huggingface_hub's
+        # StrictDataclassError (an Exception subclass only), depending on the field
+        except Exception as e:  # any failure here is the file's: re-raised as one naming it
+            raise ValueError(f"{config_file}: not a valid model config ({e})") from None
+        layers = getattr(config, "num_hidden_layers", None)
+        if isinstance(layers, int) and not 0 < layers <= len(shapes):  # each layer has tensors: no model to build
+            raise ValueError(f"{config_file}: num_hidden_layers {layers} does not fit weights of {len(shapes)} tensors")
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+        # an unknown hidden_act is a KeyError, a bad rope_scaling a KeyError, ValueError or TypeError
+        # from the rotary embedding's initialiser: whatever transformers raises, the config is at fault
+        except Exception as e:
+            raise ValueError(f"{config_file}: does not build a model ({type(e).__name__}: {e})") from None
+        groups: dict[int, list[str]] = {}  # tied weights are one parameter under several names
+        for name, param in model.named_parameters(remove_duplicate=False):
+            groups.setdefault(id(param), []).append(name)
+        needed = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+        unexpected = sorted(set(shapes) - set(needed))
+        if unexpected:
+            raise ValueError(f"{directory / where[unexpected[0]]}: tensor {unexpected[0]!r}"
+                             f"{f' and {len(unexpected) - 1} more' if len(unexpected) > 1 else ''}: not in the "
+                             f"model that {_CONFIG} describes (a config with fewer layers than the weights?)")
+        tied = {n for names in groups.values() if len(names) > 1 for n in names}
+        missing = sorted(n for n in needed if n not in shapes and not (
+            n in tied and any(m in shapes for names in groups.values() if n in names for m in names)))
+        if missing:
+            raise ValueError(f"{directory}: the weights lack tensor {missing[0]!r}"
+                             f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''} of the model "
+                             f"that {_CONFIG} describes (missing weights, or a config with more layers)")
+        for name, shape in shapes.items():
+            if shape != needed[name]:
+                raise ValueError(f"{directory / where[name]}: tensor {name!r} has shape {list(shape)}, the model "
+                                 f"that {_CONFIG} describes needs {list(needed[name])}")
+        return model
 
     def load(self, directory: Path, dtype: torch.dtype) -> nn.Module | None:
         """The drafter's model, in eval mode without gradients."""
@@ -134,6 +199,13 @@ class SSMKind(DrafterKind):
     name = "ssm"
     phase = "stages"
 
+    def check(self, directory):
+        for f in (FEATURE_FILE, FC_FILE):
+            if (directory / f).exists():  # a head served as a plain SSM would drop its projection, silently
+                raise ValueError(f"{directory / f}: a feature head's file in a drafter of kind 'ssm'; the manifest "
+                                 "must name its kind 'feature'")
+        super().check(directory)
+
     def drafter(self, model, vocab_size, ranking):
         from boosttune.serving.lean import drafter_runner
 
@@ -151,11 +223,41 @@ class FeatureKind(DrafterKind):
     phase = "feature"
 
     def check(self, directory):
-        super().check(directory)
         for f in (FEATURE_FILE, FC_FILE):
             if not (directory / f).is_file():
                 raise ValueError(f"{directory}: a feature head needs {f}; without it the head cannot read the "
                                  "LLM's features")
+        if not (directory / _CONFIG).is_file():
+            raise ValueError(f"{directory}: no {_CONFIG}; a {self.name} drafter is a transformers model directory")
+        body = self.check_model(directory, skip=(FC_FILE,))
+        marker_file = directory / FEATURE_FILE
+        try:
+            marker = json.loads(marker_file.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"{marker_file}: not valid JSON ({e})") from None
+        if not isinstance(marker, dict) or marker.get("format") != FEATURE_FORMAT or marker.get("version") != FEATURE_VERSION:
+            raise ValueError(f"{marker_file}: not a {FEATURE_FORMAT} v{FEATURE_VERSION} marker (a JSON object with "
+                             "format and version)")
+        k = marker.get("draft_vocab", 0)
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"{marker_file}: draft_vocab must be an integer >= 0, got {k!r}")
+        self.check_projection(directory / FC_FILE, body.get_input_embeddings().weight.shape[1])
+
+    @staticmethod
+    def check_projection(fc_file: Path, hidden: int) -> None:
+        """The projection file holds exactly one tensor ``weight`` of shape (H, 2H) (headers only)."""
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(fc_file, framework="pt") as st:
+                found = {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{fc_file}: not a valid safetensors file ({e})") from None
+        if set(found) != {"weight"}:
+            raise ValueError(f"{fc_file}: must hold exactly one tensor 'weight', holds {sorted(found)[:4]}")
+        if found["weight"] != (hidden, 2 * hidden):
+            raise ValueError(f"{fc_file}: 'weight' has shape {list(found['weight'])}, the head's width needs "
+                             f"[{hidden}, {2 * hidden}]")
 
     def load(self, directory, dtype):
         model = super().load(directory, dtype)

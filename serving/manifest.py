@@ -37,7 +37,7 @@ from typing import Any
 
 from boosttune.core.files import atomic_write_json
 from boosttune.serving.lookup import LOOKUP_NAME, lookup_tree
-from boosttune.serving.tree import TreeConfig
+from boosttune.serving.tree import MAX_TREE_DEPTH, TreeConfig
 
 MANIFEST = "manifest.json"
 BUNDLE_FORMAT = 2
@@ -51,10 +51,33 @@ FEATURE_MARKER = "feature_head.json"
 """The file by which format 1 told a feature head from an SSM (``migrate_v1`` only)."""
 MAX_MANIFEST_BYTES = 1 << 20
 """Larger manifests are refused before they are parsed (export writes a few KiB: one line per file)."""
+MAX_JSON_DEPTH = 32
+"""The deepest nesting of objects and lists a bundle's JSON files (manifest, configs, scheduler) may
+have; export writes at most 6. Deeper files are refused before their fields are read."""
+FC_MARKER = "feature_fc.safetensors"
+"""A feature head's projection: format 1 listing it without ``FEATURE_MARKER`` is refused (``migrate_v1``)."""
 
 
 class BundleError(ValueError):
-    """A bundle (or the LLM it names) that cannot be served as it is; the message names the file."""
+    """A bundle (or the LLM it names) that cannot be served as it is; the message names the file and is
+    one line (whitespace runs, such as the newlines of a library's error quoted in it, become one space)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))
+
+
+def json_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
+    """Nesting depth of a parsed JSON value (0 for a scalar), counted without recursion and only up to
+    ``limit`` + 1: a caller compares it with ``limit``."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if d > limit:
+                return d
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 @dataclass(frozen=True)
@@ -226,15 +249,22 @@ def migrate_v1(data: dict) -> dict:
     if isinstance(tree, dict):
         tree = {"ngram_depths": [], **tree}  # absent before per-match lookup lengths existed
     drafters = []
-    for raw in _field(data, "ssms", list, ""):
+    for i, raw in enumerate(_field(data, "ssms", list, "")):
         if isinstance(raw, dict):
             d = raw.get("dir")
             feature = isinstance(d, str) and f"{d}/{FEATURE_MARKER}" in files
+            weights = raw.get("weights") if isinstance(raw.get("weights"), list) else []
+            if not feature and isinstance(d, str) and (f"{d}/{FC_MARKER}" in files or f"{d}/{FC_MARKER}" in weights):
+                # a head's projection without its marker: serving it as a plain SSM would drop the
+                # projection and silently draft worse (issue 36)
+                raise BundleError(f"{_where(f'ssms[{i}]')}: {d}/{FC_MARKER} is listed without {d}/{FEATURE_MARKER}; "
+                                  "a feature head needs both: re-export the bundle")
             raw = {**raw, "kind": "feature" if feature else "ssm", "tree": tree}
         drafters.append(raw)
     lookup = _field(data, "prompt_lookup", int, "", optional=True) or 0
-    if lookup < 0:
-        raise BundleError(f"{_where('prompt_lookup')} must be >= 0 (0 = off), got {lookup}; re-export the bundle")
+    if not 0 <= lookup <= MAX_TREE_DEPTH:
+        raise BundleError(f"{_where('prompt_lookup')} must be in 0 .. {MAX_TREE_DEPTH} (0 = off), got {lookup}; "
+                          "re-export the bundle")
     if lookup:
         drafters.append({"name": LOOKUP_NAME, "kind": LOOKUP_KIND, "stage": 0, "dir": None, "weights": [],
                          "tree": _tree_json(lookup_tree(lookup))})
@@ -349,6 +379,8 @@ def read_manifest(bundle: str | Path) -> Manifest:
     if not root.is_dir():
         raise BundleError(f"bundle {root} is not a directory; create one with `boosttune export RUN_DIR --out {root}`")
     path = root / MANIFEST
+    if path.is_symlink():
+        raise BundleError(f"{path} is a link; a bundle's {MANIFEST} must be a regular file inside it (re-export it)")
     if not path.is_file():
         raise BundleError(f"bundle {root} has no {MANIFEST}; it is incomplete or not a bundle (re-export it)")
     size = path.stat().st_size
@@ -361,6 +393,8 @@ def read_manifest(bundle: str | Path) -> Manifest:
         raise BundleError(f"{path}: not valid JSON ({e}); the bundle is damaged (re-export it)") from None
     except RecursionError:  # json recurses once per nesting level
         raise BundleError(f"{path}: JSON nested too deeply to be a bundle manifest; re-export the bundle") from None
+    if json_depth(data) > MAX_JSON_DEPTH:
+        raise BundleError(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels; not a bundle manifest (re-export it)")
     return parse_manifest(data)
 
 

@@ -130,6 +130,48 @@ def path_to(parents: Tensor, node: int) -> list[int]:
     return path[::-1]
 
 
+MAX_TREE_NODES = 1024
+"""The most nodes one drafter's tree may draft in a step (expansion: every level's product of widths;
+dynamic: ``topk`` children of ``topk`` frontier nodes per depth, and ``budget``). SpecInfer's tree has
+20, EAGLE-2's 60; a bound keeps a bundle, a scheduler file or a flag from asking for an allocation of
+billions of nodes. The one tree-size limit: the manifest parser, the scheduler loader and the CLI all
+check through :class:`TreeConfig` or :func:`check_tree_limits`."""
+MAX_TREE_DEPTH = 64
+"""The most draft depths of one tree, prompt lookup's chain length included (SpecInfer drafts 8)."""
+
+
+def expansion_nodes(widths: tuple[int, ...]) -> int:
+    """Nodes an expansion tree of ``widths`` drafts: sum over depths of the product of widths so far
+    (stops counting once past ``MAX_TREE_NODES``: no huge integers from hostile widths)."""
+    total, level = 0, 1
+    for w in widths:
+        level *= w
+        total += level
+        if total > MAX_TREE_NODES:
+            break
+    return total
+
+
+def check_tree_limits(kind: str, widths: tuple[int, ...], topk: int, depth: int, budget: int,
+                      ngram_depths: tuple[int, ...] = ()) -> None:
+    """Refuse a tree beyond ``MAX_TREE_DEPTH`` / ``MAX_TREE_NODES`` (a ``ValueError`` naming the field)."""
+    if kind == "expansion":
+        if len(widths) > MAX_TREE_DEPTH:
+            raise ValueError(f"tree.widths has {len(widths)} depths, more than the {MAX_TREE_DEPTH} a tree may have")
+        nodes = expansion_nodes(widths)
+        if nodes > MAX_TREE_NODES:
+            raise ValueError(f"tree.widths {list(widths)[:8]}{'...' if len(widths) > 8 else ''} drafts more than "
+                             f"{MAX_TREE_NODES} nodes per step (the limit); use narrower widths")
+    else:
+        if depth > MAX_TREE_DEPTH:
+            raise ValueError(f"tree.depth must be <= {MAX_TREE_DEPTH}, got {depth}")
+        if topk > MAX_TREE_NODES or topk + (depth - 1) * topk * topk > MAX_TREE_NODES or budget > MAX_TREE_NODES:
+            raise ValueError(f"tree.topk {topk}, depth {depth}, budget {budget} draft or keep more than "
+                             f"{MAX_TREE_NODES} nodes per step (the limit); use a smaller topk, depth or budget")
+    if len(ngram_depths) > MAX_TREE_DEPTH:
+        raise ValueError(f"tree.ngram_depths has {len(ngram_depths)} entries, more than {MAX_TREE_DEPTH}")
+
+
 @dataclass(frozen=True)
 class TreeConfig:
     """Shape of the token tree each SSM drafts.
@@ -178,6 +220,7 @@ class TreeConfig:
         for name in ("topk", "depth", "budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"tree.{name} must be >= 1, got {getattr(self, name)}")
+        check_tree_limits(self.kind, self.widths, self.topk, self.depth, self.budget, self.ngram_depths)
 
     @property
     def policy(self) -> TreePolicy:

@@ -3,7 +3,7 @@
 LLM: the "tiny-random" built-in (a 2-layer random llama with SmolLM2's tokenizer and chat
 template). SSMs: two differently seeded noisy copies of it, saved the way `boosttune train` saves
 them (save_pretrained + tokenizer + stats.json + complete.json), with a report.json in format 1
-and a scheduler directory. Everything is fp32 so greedy outputs can be compared token for token.
+and, when asked, a learned scheduler for the two SSMs (fitted on synthetic labels). Everything is fp32 so greedy outputs can be compared token for token.
 """
 
 from __future__ import annotations
@@ -34,9 +34,11 @@ def write_ranking(root: Path, llm) -> None:
     save_ranking(RunDir(root).draft_vocab_path, ranked, counts)
 
 
-def make_run_dir(root: Path, n_ssms: int = 2, scheduler: bool = True, ranking: bool = True) -> Path:
+def make_run_dir(root: Path, n_ssms: int = 2, scheduler: bool = False, ranking: bool = True) -> Path:
     """Write a run directory with ``n_ssms`` complete SSMs under ``root``; returns ``root``.
-    With ``ranking``, the draft vocabulary ranking counted over the LLM's greedy continuations."""
+    With ``ranking``, the draft vocabulary ranking counted over the LLM's greedy continuations; with
+    ``scheduler`` (two SSMs), a scheduler directory: scheduler.json, a file beside it and a hidden
+    temporary (a bundle's scheduler directory must hold its scheduler.json: issue 36)."""
     llm = load_model(TINY_LLM)
     run = RunDir(root)
     if ranking:
@@ -56,6 +58,15 @@ def make_run_dir(root: Path, n_ssms: int = 2, scheduler: bool = True, ranking: b
     run.ssm_dir(n_ssms + 1).mkdir(parents=True)
     stages.append({"stage": n_ssms + 1, "ssm_dir": run.relative(run.ssm_dir(n_ssms + 1))})
     if scheduler:
+        from test_scheduler import SPEC, costs, synthetic_records
+
+        from boosttune.config import SchedulerConfig
+        from boosttune.scheduler.offline.train import fit_scheduler
+
+        assert n_ssms == 2, "the synthetic scheduler is fitted for two SSMs"
+        cfg = SchedulerConfig(prompts="unused", depths=(1, 2), pca_components=4, ridge_alphas=(1e-3,),
+                              prompt_lookup=False)
+        fit_scheduler(synthetic_records(), costs(), SPEC, (1, 1), cfg, ["ssm-1", "ssm-2"]).save(run.scheduler_file)
         atomic_write_json(run.scheduler_dir / "policy.json", {"kind": "test", "weights": [1, 2, 3]})
         (run.scheduler_dir / "features").mkdir()
         (run.scheduler_dir / "features" / "names.txt").write_text("prompt_len\n")

@@ -22,7 +22,7 @@ from boosttune.serving.manifest import BUNDLE_FORMAT, MANIFEST, BundleError, par
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    return make_run_dir(tmp_path_factory.mktemp("run"))
+    return make_run_dir(tmp_path_factory.mktemp("run"), scheduler=True)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,8 @@ def test_export_lists_every_file_with_its_hash(bundle, run_dir):
     assert not any(p.name.startswith("tokenizer") for p in (bundle / "ssms").rglob("*"))
     assert not any(p.suffix in (".bin", ".pt", ".pkl", ".pickle") for p in bundle.rglob("*"))
     # The scheduler directory is copied file for file (its hidden temporary is not).
-    assert m["scheduler"] == {"dir": "scheduler", "files": ["scheduler/features/names.txt", "scheduler/policy.json"]}
+    assert m["scheduler"] == {"dir": "scheduler", "files": ["scheduler/features/names.txt", "scheduler/policy.json",
+                                                            "scheduler/scheduler.json"]}
     assert all(s["tree"] == TREE for s in m["drafters"])  # each drafter carries its own tree
     assert m["llm"]["ref"] == "tiny-random" and len(m["llm"]["sha256"]) == 64
     assert set(m["llm"]["files"]) >= {"config.json", "model.safetensors"}
@@ -314,8 +315,8 @@ def test_export_of_a_draft_vocabulary_needs_the_run_ranking(tmp_path):
 
 def test_bundle_default_prompt_lookup_serves_without_a_scheduler(tmp_path):
     """`export --prompt-lookup N` makes the server (no scheduler) draft with prompt lookup too."""
-    from boosttune.serving.decode import incremental_generate
     from boosttune.http.server import ServerConfig, create_app
+    from boosttune.serving.decode import incremental_generate
     from boosttune.serving.lookup import LOOKUP_NAME, PromptLookupDrafter
     from boosttune.serving.stops import StopCriteria
 
@@ -521,3 +522,218 @@ def test_export_ships_what_the_run_measured_fastest_unless_told(tmp_path, capsys
     atomic_write_json(RunDir(run).scheduler_file, {"kind": "test"})
     with pytest.raises(ValueError, match="scheduler"):
         export_bundle(run, tmp_path / "broken")
+
+
+# -- Issue 36: every file checked against what its kind needs and against the limits, before anything
+# is allocated; each refusal one line naming the file (or the manifest field).
+
+HEAD = "ssms/ssm-2"
+
+
+def _make_feature_head(root: Path, tensors: dict | None = None, marker: object = None) -> None:
+    """Turn drafter ssm-2 into a feature head (kind "feature": its marker and projection listed in the
+    manifest and hashed), with ``tensors`` as its projection file and ``marker`` as its marker."""
+    import torch
+    from safetensors.torch import save_file
+
+    from boosttune.core.feature_head import FORMAT, VERSION
+
+    hidden = json.loads((root / HEAD / "config.json").read_text())["hidden_size"]
+    save_file(tensors if tensors is not None else {"weight": torch.zeros(hidden, 2 * hidden)},
+              str(root / HEAD / "feature_fc.safetensors"))
+    marker = marker if marker is not None else {"format": FORMAT, "version": VERSION, "hidden_size": hidden}
+    (root / HEAD / "feature_head.json").write_text(json.dumps(marker))
+    m = _manifest(root)
+    entry = next(d for d in m["drafters"] if d["dir"] == HEAD)
+    entry["kind"] = "feature"
+    entry["weights"].append(f"{HEAD}/feature_fc.safetensors")
+    _write_manifest(root, m)
+    for name in ("feature_fc.safetensors", "feature_head.json"):
+        _rehash(root, f"{HEAD}/{name}")
+
+
+def _edit_json(root: Path, rel: str, edit) -> None:
+    data = json.loads((root / rel).read_text())
+    edit(data)
+    (root / rel).write_text(json.dumps(data))
+    _rehash(root, rel)
+
+
+def _unlist(root: Path, rel: str) -> None:
+    (root / rel).unlink()
+    m = _manifest(root)
+    del m["files"][rel]
+    if m.get("scheduler"):
+        m["scheduler"]["files"] = [f for f in m["scheduler"]["files"] if f != rel]
+    _write_manifest(root, m)
+
+
+def _fc_without_weight(root: Path) -> str:
+    import torch
+
+    _make_feature_head(root, tensors={"bias": torch.zeros(4)})
+    return f"{HEAD}/feature_fc.safetensors"
+
+
+def _fc_wrong_shape(root: Path) -> str:
+    import torch
+
+    _make_feature_head(root, tensors={"weight": torch.zeros(3, 5)})
+    return f"{HEAD}/feature_fc.safetensors"
+
+
+def _marker_is_a_list(root: Path) -> str:
+    _make_feature_head(root, marker=[])
+    return f"{HEAD}/feature_head.json"
+
+
+def _feature_without_marker(root: Path) -> str:
+    _make_feature_head(root)
+    _unlist(root, f"{HEAD}/feature_head.json")
+    return "feature_head.json"
+
+
+def _format_1_head_without_marker(root: Path) -> str:
+    """Format 1 told a head by its listed marker: one listed without it was served as a plain SSM."""
+    _make_feature_head(root)
+    _unlist(root, f"{HEAD}/feature_head.json")
+    _write_manifest(root, _as_format_1(_manifest(root)))
+    return "feature_head.json"
+
+
+def _unknown_hidden_act(root: Path) -> str:
+    _edit_json(root, "ssms/ssm-1/config.json", lambda c: c.update(hidden_act="no-such-activation"))
+    return "ssms/ssm-1/config.json"
+
+
+def _bad_rope_scaling(root: Path) -> str:
+    _edit_json(root, "ssms/ssm-1/config.json", lambda c: c.update(rope_scaling={"rope_type": "no-such-rope"}))
+    return "ssms/ssm-1/config.json"
+
+
+def _more_layers(root: Path) -> str:
+    _edit_json(root, "ssms/ssm-1/config.json", lambda c: c.update(num_hidden_layers=c["num_hidden_layers"] + 1))
+    return "ssms/ssm-1"
+
+
+def _fewer_layers(root: Path) -> str:
+    _edit_json(root, "ssms/ssm-1/config.json", lambda c: c.update(num_hidden_layers=c["num_hidden_layers"] - 1))
+    return "ssms/ssm-1"
+
+
+def _missing_tensor(root: Path) -> str:
+    from safetensors.torch import load_file, save_file
+
+    rel = "ssms/ssm-1/model.safetensors"
+    tensors = load_file(str(root / rel))
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(root / rel), metadata={"format": "pt"})
+    _rehash(root, rel)
+    return "ssms/ssm-1"
+
+
+def _raising_chat_template(root: Path) -> str:
+    rel = "tokenizer/chat_template.jinja"
+    # the message has a line break: the refusal must still be one line
+    (root / rel).write_text("{{ raise_exception('refused\\nby the template') }}")
+    _rehash(root, rel)
+    return rel
+
+
+def _bad_tokenizer_json(root: Path) -> str:
+    rel = "tokenizer/tokenizer.json"
+    (root / rel).write_text('{"version": "1.0", ')
+    _rehash(root, rel)
+    return rel
+
+
+def _huge_tree(root: Path) -> str:
+    m = _manifest(root)
+    m["drafters"][0]["tree"]["widths"] = [1000, 1000, 1000]
+    _write_manifest(root, m)
+    return "drafters[0].tree"
+
+
+def _huge_format_1_lookup(root: Path) -> str:
+    m = _as_format_1(_manifest(root))
+    m["prompt_lookup"] = 10**9
+    _write_manifest(root, m)
+    return "prompt_lookup"
+
+
+def _manifest_links_out(root: Path) -> str:
+    outside = root.parent / "elsewhere.json"
+    (root / MANIFEST).rename(outside)
+    (root / MANIFEST).symlink_to(outside)
+    return MANIFEST
+
+
+def _no_scheduler_json(root: Path) -> str:
+    _unlist(root, "scheduler/scheduler.json")
+    return "scheduler.json"
+
+
+def _deep_scheduler(root: Path) -> str:
+    rel = "scheduler/scheduler.json"
+    (root / rel).write_text("[" * 50_000 + "]" * 50_000)
+    _rehash(root, rel)
+    return rel
+
+
+def _edit_scheduler(root: Path, edit) -> str:
+    """Change the scheduler's body and its self-check digest, as a forger would."""
+    from boosttune.scheduler.persist import digest
+
+    rel = "scheduler/scheduler.json"
+
+    def change(envelope: dict) -> None:
+        edit(envelope["body"])
+        envelope["sha256"] = digest(envelope["body"])
+
+    _edit_json(root, rel, change)
+    return rel
+
+
+def _scheduler_wrong_type(root: Path) -> str:
+    return _edit_scheduler(root, lambda body: body.update(meta=[], drafters=[]))
+
+
+def _scheduler_huge_widths(root: Path) -> str:
+    return _edit_scheduler(root, lambda body: body.update(widths=[100000]))
+
+
+@pytest.mark.parametrize("damage", [
+    _fc_without_weight, _fc_wrong_shape, _marker_is_a_list, _feature_without_marker, _format_1_head_without_marker,
+    _unknown_hidden_act, _bad_rope_scaling, _more_layers, _fewer_layers, _missing_tensor, _raising_chat_template,
+    _bad_tokenizer_json, _huge_tree, _huge_format_1_lookup, _manifest_links_out, _no_scheduler_json, _deep_scheduler,
+    _scheduler_wrong_type, _scheduler_huge_widths,
+])
+def test_bundles_that_would_not_serve_as_trained_are_refused_in_one_line(copy, damage):
+    """Issue 36: each of these crashed with a traceback, allocated without bound, or loaded silently
+    degraded (random or dropped layers, a head served as a plain SSM, no scheduler). Now loading (and
+    assembling what it serves, which reads the scheduler) refuses it with one line naming the file."""
+    from boosttune.assemble import from_bundle
+
+    named = damage(copy)
+    with pytest.raises(ValueError) as e:  # BundleError, or SchedulerFileError from the assembly
+        from_bundle(load_bundle(copy))
+    assert named in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_valid_feature_head_passes_its_kinds_checks(copy):
+    """The positive control of the feature-head damage above: the same head, well formed, verifies."""
+    _make_feature_head(copy)
+    assert [d.kind for d in verify_bundle(copy).manifest.drafters] == ["ssm", "feature"]
+
+
+def test_tree_limits_are_one_place_and_admit_the_shipped_trees():
+    from boosttune.serving.lookup import lookup_tree
+    from boosttune.serving.tree import MAX_TREE_DEPTH, MAX_TREE_NODES, TreeConfig
+
+    TreeConfig(widths=(1, 1, 3, 1, 1, 1, 1, 1))
+    TreeConfig(kind="dynamic", topk=10, depth=10, budget=MAX_TREE_NODES)
+    lookup_tree(MAX_TREE_DEPTH)
+    for bad in ({"widths": (1000, 1000, 1000)}, {"widths": (1,) * (MAX_TREE_DEPTH + 1)},
+                {"kind": "dynamic", "topk": 64, "depth": 8}, {"kind": "dynamic", "budget": MAX_TREE_NODES + 1}):
+        with pytest.raises(ValueError, match="tree"):
+            TreeConfig(**bad)

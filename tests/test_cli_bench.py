@@ -107,8 +107,9 @@ def test_bad_input_fails_fast_naming_the_field(tiny_dirs, tmp_path, capsys):
     rc = main(["bench", "--llm", str(tiny_dirs / "llm"), "--questions", str(MT_BENCH), "--out", str(tmp_path / "o"),
                "--methods", "baseline,hf_lookup"])
     assert rc == 2 and "--prompt-lookup" in capsys.readouterr().err
-    rc = main(["generate", "--llm", str(tiny_dirs / "llm"), "hi", "--prompt-lookup", "-1"])
-    assert rc == 2 and "--prompt-lookup" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # out of its range: refused by argparse, before anything loads
+        main(["generate", "--llm", str(tiny_dirs / "llm"), "hi", "--prompt-lookup", "-1"])
+    assert e.value.code == 2 and "--prompt-lookup" in capsys.readouterr().err
     rc = main(["generate", "--llm", str(tiny_dirs / "llm"), "--ssm", str(tiny_dirs / "ssm"), "hi", "--top-p", "0"])
     assert rc == 2 and "top_p" in capsys.readouterr().err
 
@@ -269,3 +270,25 @@ def test_head_acceptance_walks_steps_of_one_or_two_tokens():
     assert walked([True, True, True, True], [True, False, False, False]) == 2  # 3 tokens, then 2 (0..2, 3)
     assert walked([True, True, True, True], [False] * 4) == 2
     assert walked([False, True, True], [True, True, False]) == 2  # no first-level hit: no second level
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--prompt-lookup", "1000000000"),  # a MemoryError (a chain of 10^9 nodes)
+    ("--widths", "1000,1000,1000"),  # an allocation error (10^9 tree nodes)
+    ("--seed", "99999999999999999999999"),  # "Overflow when unpacking long long", no flag named
+    ("--depth", "100000"),
+    ("--draft-vocab", "-1"),
+])
+def test_generate_refuses_flags_beyond_the_bundle_limits_naming_the_flag(flag, value, capsys):
+    """Issue 36: the flags are checked against the limits a bundle is (serving/tree.py), before any model
+    loads: one line naming the flag, exit code 2."""
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "Hello", "--llm", "default", flag, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {flag}" in err and "Traceback" not in err
+
+
+def test_generate_refuses_a_tree_beyond_the_limits_that_no_single_flag_exceeds(capsys):
+    assert main(["generate", "Hello", "--tree", "dynamic", "--topk", "64", "--depth", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "--topk" in err and "--depth" in err and "1024 nodes" in err

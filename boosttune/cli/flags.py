@@ -13,7 +13,13 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING
 
-from boosttune.serving.tree import TREE_POLICIES, TreeConfig
+from boosttune.serving.tree import (
+    MAX_TREE_DEPTH,
+    MAX_TREE_NODES,
+    TREE_POLICIES,
+    TreeConfig,
+    check_tree_limits,
+)
 
 if TYPE_CHECKING:  # the assembly loads transformers: only when a command runs
     from boosttune.assemble import Served
@@ -30,6 +36,48 @@ def int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,1,3,1, got {text!r}") from None
 
 
+SEED_MAX = 2**64 - 1
+"""The largest seed a torch generator takes (``Generator.manual_seed``); larger ones overflowed in torch."""
+INT_MAX = 2**31 - 1
+"""An upper bound for counts that have no tighter one (e.g. --draft-vocab, before the vocabulary is known)."""
+
+
+def bounded_int(lo: int, hi: int):
+    """An argparse type: an integer in ``lo .. hi``. The limits are the ones the bundle and scheduler
+    loaders apply (``serving/tree.py``), so a flag cannot ask for what a bundle may not; argparse names
+    the flag in the error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {lo} .. {hi}, got {text if len(text) <= 30 else text[:30] + '...'}")
+        return value
+
+    parse.__name__ = f"integer in {lo} .. {hi}"
+    return parse
+
+
+def tree_widths(text: str) -> tuple[int, ...]:
+    """An argparse type: expansion widths (``int_list``), each >= 1, within the tree limits."""
+    widths = int_list(text)
+    if not widths or min(widths) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,1,3,1, got {text!r}")
+    try:
+        check_tree_limits("expansion", widths, 1, 1, 1)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("tree.widths", "widths", 1)) from None
+    return widths
+
+
+def add_seed_arg(p: argparse.ArgumentParser) -> None:
+    """--seed S: the request's random generator's seed (``SamplingParams.seed``)."""
+    p.add_argument("--seed", type=bounded_int(0, SEED_MAX), default=None,
+                   help="seed of the sampling generator, 0 .. 2**64 - 1 (default: nondeterministic)")
+
+
 def _scoped(scope: str, text: str) -> str:
     return f"{scope}: {text}" if scope else text
 
@@ -42,7 +90,7 @@ def add_draft_vocab_arg(p: argparse.ArgumentParser, default: str, scope: str = "
         default: what the flag means when unset, in this command.
         scope: the ``--format`` it applies to, shown first in the help (empty: the command has no formats).
     """
-    p.add_argument("--draft-vocab", type=int, default=None, metavar="K",
+    p.add_argument("--draft-vocab", type=bounded_int(0, INT_MAX), default=None, metavar="K",
                    help=_scoped(scope, "SSMs draft over the K tokens the LLM writes most: K rows of their LM head "
                                        f"instead of all (cheaper drafts, still lossless); 0 = the whole vocabulary; "
                                        f"default: {default}"))
@@ -56,11 +104,11 @@ def add_prompt_lookup_arg(p: argparse.ArgumentParser, default: str, scope: str =
         default: what the flag means when unset, in this command.
         scope: the ``--format`` it applies to, shown first in the help (empty: the command has no formats).
     """
-    p.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
+    p.add_argument("--prompt-lookup", type=bounded_int(0, MAX_TREE_DEPTH), default=None, metavar="N",
                    help=_scoped(scope, "also draft up to N tokens copied from where the newest 1-3 tokens occurred "
                                        "before in the prompt or the answer (prompt lookup; free to draft), where no "
                                        "learned scheduler decides (a bundle without one, or --no-scheduler); "
-                                       f"0 = off; default: {default}"))
+                                       f"0 = off, at most {MAX_TREE_DEPTH}; default: {default}"))
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -76,12 +124,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "else fp32) for the LLM, and the SSMs unless --ssm-dtype (default fp32)")
     p.add_argument("--ssm-dtype", default=None, help="dtype of the SSMs (default: --dtype); the output depends only on the LLM's")
     p.add_argument("--tree", default=None, choices=sorted(TREE_POLICIES), help=f"tree policy (default {default.kind})")
-    p.add_argument("--widths", type=int_list, default=None,
+    p.add_argument("--widths", type=tree_widths, default=None,
                    help=f"expansion: children per node at each depth (default {','.join(map(str, default.widths))}, "
-                        "SpecInfer's)")
-    p.add_argument("--topk", type=int, default=None, help=f"dynamic: frontier and children per depth (default {default.topk})")
-    p.add_argument("--depth", type=int, default=None, help=f"dynamic: draft depth (default {default.depth})")
-    p.add_argument("--budget", type=int, default=None, help=f"dynamic: nodes kept, greedy (default {default.budget})")
+                        f"SpecInfer's); at most {MAX_TREE_DEPTH} depths and {MAX_TREE_NODES} nodes")
+    p.add_argument("--topk", type=bounded_int(1, MAX_TREE_NODES), default=None,
+                   help=f"dynamic: frontier and children per depth (default {default.topk})")
+    p.add_argument("--depth", type=bounded_int(1, MAX_TREE_DEPTH), default=None,
+                   help=f"dynamic: draft depth (default {default.depth})")
+    p.add_argument("--budget", type=bounded_int(1, MAX_TREE_NODES), default=None,
+                   help=f"dynamic: nodes kept, greedy (default {default.budget})")
     p.add_argument("--min-prob", type=float, default=None,
                    help="stop expanding branches whose cumulative draft probability is below this (default 0 = never)")
     add_draft_vocab_arg(p, default="the bundle's tree's, else the whole vocabulary")
@@ -119,7 +170,11 @@ def tree_override(args: argparse.Namespace) -> TreeConfig | None:
         from boosttune.serving.manifest import read_manifest
 
         base = read_manifest(args.bundle).models[0].tree
-    return dataclasses.replace(base, **changes)
+    try:
+        return dataclasses.replace(base, **changes)
+    except ValueError as e:  # a combination no single flag's limit catches (e.g. --topk with --depth)
+        flags = ", ".join(f"--{flag.replace('_', '-')}" for flag in _TREE_FLAGS if getattr(args, flag) is not None)
+        raise ValueError(f"{flags}: {e}") from None
 
 
 def assemble_from_args(args: argparse.Namespace) -> Served:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from boosttune.cli.flags import add_bundle_args, add_model_args, assemble_from_args
+from boosttune.cli.flags import add_bundle_args, add_model_args, add_seed_arg, assemble_from_args
 
 
 def add_commands(sub) -> dict:
@@ -19,7 +19,7 @@ def add_commands(sub) -> dict:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
+    add_seed_arg(g)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     return {"generate": cmd_generate}

@@ -175,12 +175,18 @@ def attach_fc(model: nn.Module, path: str | Path) -> None:
     """Give a model loaded from ``path`` its projection (``model.feature_fc``), in its dtype and device.
     Raises ValueError naming the file when the folder is not a well-formed feature head."""
     marker_file, fc_file = Path(path) / FEATURE_FILE, Path(path) / FC_FILE
-    marker = json.loads(marker_file.read_text())
-    if marker.get("format") != FORMAT or marker.get("version") != VERSION:
+    try:
+        marker = json.loads(marker_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{marker_file}: not a readable JSON marker ({e}); re-export the feature head") from None
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT or marker.get("version") != VERSION:
         raise ValueError(f"{marker_file}: not a {FORMAT} v{VERSION} marker; re-export the feature head")
     if not fc_file.is_file():
         raise ValueError(f"{fc_file} is missing: a feature head needs its projection; re-export it")
-    weight = load_file(str(fc_file))["weight"]
+    tensors = load_file(str(fc_file))
+    if set(tensors) != {"weight"}:
+        raise ValueError(f"{fc_file}: must hold exactly one tensor 'weight', holds {sorted(tensors)[:4]}; re-export it")
+    weight = tensors["weight"]
     hidden = model.get_input_embeddings().weight.shape[1]
     if tuple(weight.shape) != (hidden, 2 * hidden):
         raise ValueError(f"{fc_file}: projection is {tuple(weight.shape)}, the head's width needs ({hidden}, {2 * hidden})")
