@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from boosttune.export.bundle import export_bundle
-from boosttune.serving.bundle import load_bundle
 from boosttune.http.server import ServerConfig, ServerThread, create_app
+from boosttune.serving.bundle import load_bundle
 
 MODEL = "tiny-bundle"
 
@@ -53,7 +53,15 @@ def assert_error_shape(r: httpx.Response) -> None:
 _text = st.one_of(st.text(max_size=12), st.sampled_from(["\ud800", "a\udfffb", "\x00", "\u202e", "😀", " "]))
 # no subnormals: the tests flush them to zero (conftest.py), which Hypothesis refuses to generate under
 _floats = st.floats(allow_subnormal=False)
-_junk = st.recursive(st.none() | st.booleans() | st.integers() | _floats | _text,
+
+
+class _HugeInt(str):
+    """An integer of more digits than Python converts (4,300), held as its digits: json.dumps cannot write
+    it as a number, so :func:`_dumps` writes the digits bare."""
+
+
+_huge_ints = st.builds(lambda digits, sign: _HugeInt(sign + "7" * digits), st.integers(4301, 6000), st.sampled_from(["", "-"]))
+_junk = st.recursive(st.none() | st.booleans() | st.integers() | _floats | _text | _huge_ints,
                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3),
                      max_leaves=6)
 _big_ints = st.sampled_from([2**63, -(2**63) - 1, 2**64, 10**30, -(10**30)])
@@ -84,7 +92,30 @@ _PROMPT = _text | st.lists(st.integers(0, 100), min_size=1, max_size=3) | st.lis
     | st.lists(st.lists(st.integers(0, 100), min_size=1, max_size=2), min_size=1, max_size=1)
 _MESSAGES = st.lists(_message, min_size=1, max_size=3)
 # Wrong values: any JSON at all (wrong types, nesting), or out-of-range numbers and odd strings.
-_wrong = _junk | _bad_numbers | _text
+_wrong = _junk | _bad_numbers | _text | _huge_ints
+
+
+def _dumps(body: object) -> tuple[str, bool]:
+    """``body`` as JSON text with its :class:`_HugeInt` values as bare digits, and whether it holds any.
+    Each goes in as a placeholder string (\x00 and a number: no generated text holds that, as json
+    escapes \x00), replaced by its digits after encoding."""
+    huge: list[str] = []
+
+    def mark(value: object) -> object:
+        if isinstance(value, _HugeInt):
+            huge.append(str(value))
+            return f"\x00{len(huge) - 1}"
+        if isinstance(value, dict):
+            return {k: mark(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [mark(v) for v in value]
+        return value
+
+    # ensure_ascii: lone surrogates travel as JSON escapes ("\ud800"), as a client's JSON encoder sends them
+    text = json.dumps(mark(body))
+    for i, digits in enumerate(huge):
+        text = text.replace(json.dumps(f"\x00{i}"), digits, 1)
+    return text, bool(huge)
 
 
 @st.composite
@@ -101,6 +132,8 @@ def _requests(draw) -> tuple[str, object]:
             body.pop(name, None)  # a missing field
         else:
             body[name] = draw(_wrong)
+    if draw(st.integers(0, 9)) == 0:  # a number int() refuses, in a field the server reads or ignores
+        body[draw(st.sampled_from([*valid, "ignored"]))] = draw(_huge_ints)
     if draw(st.integers(0, 19)) == 0:
         body = draw(_junk)  # not even an object
     return ("/v1/chat/completions" if chat else "/v1/completions"), body
@@ -112,9 +145,12 @@ def _requests(draw) -> tuple[str, object]:
 @given(request=_requests())
 def test_generated_requests_never_get_a_5xx(http, request):
     path, body = request
-    # ensure_ascii: lone surrogates travel as JSON escapes ("\ud800"), as a client's JSON encoder sends them
-    r = http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+    content, huge = _dumps(body)
+    r = http.post(path, content=content, headers={"Content-Type": "application/json"})
     assert r.status_code < 500, (r.status_code, r.text)
+    event(f"an integer of over 4,300 digits: {huge}")
+    if huge:  # refused as the body is decoded, before any other check
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value", r.text
     event(f"status {r.status_code}")  # pytest --hypothesis-show-statistics: how many got through
     if r.status_code >= 400:
         assert_error_shape(r)
@@ -138,6 +174,35 @@ def test_lone_surrogates_get_a_400_naming_the_field(http, path, body, param):
     assert_error_shape(r)
     err = r.json()["error"]
     assert err["param"] == param and err["code"] == "invalid_value" and "surrogate" in err["message"]
+
+
+HUGE = "9" * 5000  # more digits than int() converts (sys.get_int_max_str_digits(): 4,300)
+
+
+_HEAD = f'{{"model": "{MODEL}", '
+
+
+@pytest.mark.parametrize("path,body,param,where", [
+    ("/v1/completions", _HEAD + f'"prompt": "Hi", "max_tokens": {HUGE}}}', "max_tokens", "'max_tokens'"),
+    ("/v1/completions", _HEAD + f'"prompt": "Hi", "ignored": [1, -{HUGE}]}}', "ignored", "'ignored[1]'"),
+    ("/v1/chat/completions", _HEAD + f'"messages": [{{"role": "user", "content": "Hi", "x": {{"y": {HUGE}}}}}]}}',
+     "messages", "'messages[0].x.y'"),
+    ("/v1/completions", HUGE, None, "the request body"),
+    ("/v1/completions", f"[{HUGE}]", None, "'[0]'"),
+])
+def test_integers_too_long_to_convert_get_a_400_naming_the_field(http, path, body, param, where):
+    r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text  # was a 500 (int()'s ValueError)
+    assert_error_shape(r)
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == "invalid_value", err
+    assert err["message"].startswith(f"{where} holds an integer of 5000 digits"), err
+
+
+def test_a_model_name_that_is_not_unicode_is_refused():
+    # /v1/models echoes it, and UTF-8 JSON cannot hold a lone surrogate (it answered 500)
+    with pytest.raises(ValueError, match="model_name .* lone UTF-16 surrogate"):
+        ServerConfig(model_name="tiny\ud800")
 
 
 def test_a_1mb_prompt_is_tokenised_off_the_event_loop(server, http):
