@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
+
+from boosttune.http.timeouts import ConnectionTimeouts
 
 
 def _positive_int(text: str) -> int:
@@ -12,6 +15,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number of bytes, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text}")
     return value
 
 
@@ -44,6 +57,17 @@ def add_commands(sub) -> dict:
     s.add_argument("--max-request-bytes", "--max-body-bytes", dest="max_request_bytes", type=_positive_int,
                    default=1 << 20, metavar="N",
                    help="larger request bodies get 413, before they are read (default 1 MiB)")
+    t = ConnectionTimeouts()  # the defaults, in one place
+    s.add_argument("--timeout-keep-alive", type=_seconds, default=t.keep_alive, metavar="S",
+                   help=f"close a connection idle this long, new or between requests (default {t.keep_alive:g})")
+    s.add_argument("--header-timeout", type=_seconds, default=t.header, metavar="S",
+                   help=f"408 and close when a request's headers take longer to arrive (default {t.header:g})")
+    s.add_argument("--body-timeout", type=_seconds, default=t.body, metavar="S",
+                   help="408 and close when a request's body takes longer to arrive after its headers, e.g. "
+                        f"one shorter than its Content-Length (default {t.body:g})")
+    s.add_argument("--send-timeout", type=_seconds, default=t.send, metavar="S",
+                   help="disconnect (and cancel the request of) a client that reads none of its answer for "
+                        f"this long (default {t.send:g})")
     s.add_argument("--default-max-tokens", type=int, default=256, help="chat answer length when max_tokens is absent")
     s.add_argument("--threads", type=int, default=None,
                    help="torch threads of the engine (default: torch's; 1 is best on a CPU shared with other jobs)")
@@ -60,9 +84,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    timeouts = ConnectionTimeouts(keep_alive=args.timeout_keep_alive, header=args.header_timeout,
+                                  body=args.body_timeout, send=args.send_timeout)
     config = ServerConfig(model_name=args.model_name, max_queue=args.max_queue,
                           max_request_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens,
-                          torch_threads=args.threads, use_scheduler=not args.no_scheduler)
+                          torch_threads=args.threads, use_scheduler=not args.no_scheduler, timeouts=timeouts)
     bundle = load_bundle(args.bundle, llm=args.llm, dtype=args.dtype, ssm_dtype=args.ssm_dtype)
     run_server(bundle, config, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -8,8 +8,8 @@ accept lengths, SSMs and their hits, queue and engine seconds); streams carry it
 holds the finish reason.
 
 One engine worker thread (``worker.py``) serves the requests in arrival order; the HTTP layer
-accepts any number concurrently, validates and tokenises them on a thread of its own (off the event
-loop) and queues them (``max_queue`` waiting, then 503). A client that disconnects cancels its
+accepts any number concurrently, decodes, validates and tokenises them off the event loop (large
+bodies on a thread of their own, so that small ones never wait behind them) and queues them (``max_queue`` waiting, then 503). A client that disconnects cancels its
 request: a stream's generator is cancelled by Starlette, and a non-streamed request waits for its
 events and for the ASGI disconnect message at once (a client that leaves before its body is read is
 counted as cancelled too, and nothing is queued). The wire format and the validation
@@ -17,7 +17,10 @@ of requests are in ``protocol.py``, the metrics in ``metrics.py``.
 
 Shutdown (SIGTERM, Ctrl-C): new requests get 503 (``shutting_down``), open streams end at once with
 an error event and ``data: [DONE]``, waiting non-streamed requests get the 503, and then uvicorn
-closes the connections and the lifespan stops the worker; ``boosttune serve`` exits 0 on SIGTERM.
+closes the connections (an idle keep-alive one after a short wait, so that a request already sent on
+it gets its 503) and the lifespan stops the worker; ``boosttune serve`` exits 0 on SIGTERM. Clients
+that stall (headers or a body that never end, output never read) are cut off by the deadlines of
+``connection.py``.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import uvicorn
@@ -45,6 +48,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from boosttune import assemble
+from boosttune.http.connection import guarded_protocol
 from boosttune.http.metrics import RequestMetricsMiddleware, ServerMetrics
 from boosttune.http.protocol import (
     APIError,
@@ -61,6 +65,7 @@ from boosttune.http.protocol import (
     usage_chunk,
 )
 from boosttune.http.text import TextStream
+from boosttune.http.timeouts import ConnectionTimeouts
 from boosttune.http.worker import (
     CancelledEvent,
     DoneEvent,
@@ -100,6 +105,7 @@ class ServerConfig:
             load: 0.25 s vs 1.1-16 s for 16 tokens of a tiny model).
         use_scheduler: plan every request with the bundle's learned scheduler, if it has one (False:
             every request drafts with all SSMs and the bundle's prompt-lookup default).
+        timeouts: how long a client may take to send a request or to read the answer (connection.py).
     """
 
     model_name: str | None = None
@@ -109,6 +115,7 @@ class ServerConfig:
     warmup: bool = True
     torch_threads: int | None = None
     use_scheduler: bool = True
+    timeouts: ConnectionTimeouts = field(default_factory=ConnectionTimeouts)
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_request_bytes", "default_max_tokens"):
@@ -542,9 +549,8 @@ class ServerThread:
         self._sock.bind((host, port))
         self.port = self._sock.getsockname()[1]
         self.state: _State = app.state.boosttune
-        # the grace period is a backstop: stop() ends the open requests first, so connections close at once
         self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on",
-                                                    timeout_graceful_shutdown=5))
+                                                    **_uvicorn_settings(self.state.config)))
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
                                         name="uvicorn", daemon=True)
 
@@ -586,11 +592,18 @@ def run_server(bundle: LoadedBundle, config: ServerConfig, host: str = "127.0.0.
     # stopped as asked: that handler ends run_server instead (and stops a server not yet serving).
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, **_uvicorn_settings(config))
     except _Terminated:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _uvicorn_settings(config: ServerConfig) -> dict:
+    """uvicorn's settings for ``config``: its h11 protocol with our deadlines (connection.py), and a grace
+    period for open requests at shutdown (a backstop: the app ends them first, so connections close at once)."""
+    t = config.timeouts
+    return {"http": guarded_protocol(t), "timeout_keep_alive": t.keep_alive, "timeout_graceful_shutdown": 5}
 
 
 class _Terminated(Exception):
