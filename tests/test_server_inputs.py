@@ -61,7 +61,8 @@ class _HugeInt(str):
     it as a number, so :func:`_dumps` writes the digits bare."""
 
 
-_huge_ints = st.builds(lambda digits, sign: _HugeInt(sign + "7" * digits), st.integers(4301, 6000), st.sampled_from(["", "-"]))
+_huge_ints = st.builds(lambda digits, sign: _HugeInt(sign + "7" * digits), st.integers(4301, 6000),
+                       st.sampled_from(["", "-"]))
 _junk = st.recursive(st.none() | st.booleans() | st.integers() | _floats | _text | _huge_ints,
                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3),
                      max_leaves=6)

@@ -9,11 +9,12 @@ holds the finish reason.
 
 One engine worker thread (``worker.py``) serves the requests in arrival order; the HTTP layer
 accepts any number concurrently, decodes, validates and tokenises them off the event loop (large
-bodies on a thread of their own, so that small ones never wait behind them) and queues them (``max_queue`` waiting, then 503). A client that disconnects cancels its
-request: a stream's generator is cancelled by Starlette, and a non-streamed request waits for its
-events and for the ASGI disconnect message at once (a client that leaves before its body is read is
-counted as cancelled too, and nothing is queued). The wire format and the validation
-of requests are in ``protocol.py``, the metrics in ``metrics.py``.
+bodies on a thread of their own, so that small ones never wait behind them) and queues them
+(``max_queue`` waiting, then 503). A client that disconnects cancels its request: a stream's
+generator is cancelled by Starlette, and a non-streamed request waits for its events and for the
+ASGI disconnect message at once (a client that leaves before its body is read is counted as
+cancelled too, and nothing is queued). The wire format and the validation of requests are in
+``protocol.py``, the metrics in ``metrics.py``.
 
 Shutdown (SIGTERM, Ctrl-C): new requests get 503 (``shutting_down``), open streams end at once with
 an error event and ``data: [DONE]``, waiting non-streamed requests get the 503, and then uvicorn
@@ -195,7 +196,8 @@ class _State:
         elif isinstance(event, FailedEvent):
             m.failed.inc()
 
-    async def parse(self, parse: Callable[[Any, Any, ModelLimits], GenerationRequest], body: bytes) -> GenerationRequest:
+    async def parse(self, parse: Callable[[Any, Any, ModelLimits], GenerationRequest],
+                    body: bytes) -> GenerationRequest:
         """``parse_completion`` or ``parse_chat`` of the JSON ``body`` on a parsing thread (the large
         bodies' one above ``LARGE_BODY_BYTES``)."""
         large = len(body) > LARGE_BODY_BYTES
