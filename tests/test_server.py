@@ -25,9 +25,6 @@ from boosttune.cli import main
 from boosttune.core.models import eos_token_ids
 from boosttune.core.prompts import encode_prompt
 from boosttune.export.bundle import export_bundle
-from boosttune.serving.bundle import load_bundle
-from boosttune.serving.decode import incremental_generate
-from boosttune.serving.engine import GenerationResult
 from boosttune.http.server import ServerConfig, ServerThread, create_app
 from boosttune.http.text import TextStream
 from boosttune.http.worker import (
@@ -39,6 +36,9 @@ from boosttune.http.worker import (
     QueueFullError,
     TokensEvent,
 )
+from boosttune.serving.bundle import load_bundle
+from boosttune.serving.decode import incremental_generate
+from boosttune.serving.engine import GenerationResult
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
 
@@ -61,7 +61,7 @@ def loaded(bundle_dir):
 @pytest.fixture(scope="module")
 def server(loaded):
     # One engine thread: on a CPU shared with other jobs, two OpenMP threads wait for each other.
-    config = ServerConfig(model_name=MODEL, max_body_bytes=64 * 1024, torch_threads=1)
+    config = ServerConfig(model_name=MODEL, max_request_bytes=64 * 1024, torch_threads=1)
     app = create_app(loaded, config)
     with ServerThread(app) as url:
         yield url

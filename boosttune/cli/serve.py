@@ -3,6 +3,41 @@
 from __future__ import annotations
 
 import argparse
+import math
+
+from boosttune.http.timeouts import ConnectionTimeouts
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of bytes, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text}")
+    return value
+
+
+def _model_name(text: str) -> str:
+    from boosttune.http.protocol import is_unicode
+
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty (omit it to use the bundle's directory name)")
+    if not is_unicode(text):
+        # every response echoes the name, and UTF-8 JSON cannot hold a lone surrogate (/v1/models gave a 500)
+        raise argparse.ArgumentTypeError(f"{text!r} holds a lone UTF-16 surrogate or bytes that are not UTF-8: "
+                                         "name the model in Unicode text")
+    return text
 
 
 def add_commands(sub) -> dict:
@@ -16,9 +51,23 @@ def add_commands(sub) -> dict:
     s.add_argument("--dtype", default="fp32", help="fp32, bf16 or auto (bf16 where this CPU multiplies bf16 "
                                                  "natively, else fp32) for the LLM, and the SSMs unless --ssm-dtype")
     s.add_argument("--ssm-dtype", default=None, help="dtype of the SSMs (default: --dtype)")
-    s.add_argument("--model-name", default=None, help="model id clients send (default: the bundle directory's name)")
+    s.add_argument("--model-name", default=None, type=_model_name,
+                   help="model id clients send (default: the bundle directory's name)")
     s.add_argument("--max-queue", type=int, default=64, help="requests that may wait for the engine (then 503)")
-    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    s.add_argument("--max-request-bytes", "--max-body-bytes", dest="max_request_bytes", type=_positive_int,
+                   default=1 << 20, metavar="N",
+                   help="larger request bodies get 413, before they are read (default 1 MiB)")
+    t = ConnectionTimeouts()  # the defaults, in one place
+    s.add_argument("--timeout-keep-alive", type=_seconds, default=t.keep_alive, metavar="S",
+                   help=f"close a connection idle this long, new or between requests (default {t.keep_alive:g})")
+    s.add_argument("--header-timeout", type=_seconds, default=t.header, metavar="S",
+                   help=f"408 and close when a request's headers take longer to arrive (default {t.header:g})")
+    s.add_argument("--body-timeout", type=_seconds, default=t.body, metavar="S",
+                   help="408 and close when a request's body takes longer to arrive after its headers, e.g. "
+                        f"one shorter than its Content-Length (default {t.body:g})")
+    s.add_argument("--send-timeout", type=_seconds, default=t.send, metavar="S",
+                   help="disconnect (and cancel the request of) a client that reads none of its answer for "
+                        f"this long (default {t.send:g})")
     s.add_argument("--default-max-tokens", type=int, default=256, help="chat answer length when max_tokens is absent")
     s.add_argument("--threads", type=int, default=None,
                    help="torch threads of the engine (default: torch's; 1 is best on a CPU shared with other jobs)")
@@ -30,14 +79,16 @@ def add_commands(sub) -> dict:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from boosttune.serving.bundle import load_bundle
     from boosttune.http.server import ServerConfig, run_server
+    from boosttune.serving.bundle import load_bundle
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    config = ServerConfig(model_name=args.model_name, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-                          default_max_tokens=args.default_max_tokens, torch_threads=args.threads,
-                          use_scheduler=not args.no_scheduler)
+    timeouts = ConnectionTimeouts(keep_alive=args.timeout_keep_alive, header=args.header_timeout,
+                                  body=args.body_timeout, send=args.send_timeout)
+    config = ServerConfig(model_name=args.model_name, max_queue=args.max_queue,
+                          max_request_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens,
+                          torch_threads=args.threads, use_scheduler=not args.no_scheduler, timeouts=timeouts)
     bundle = load_bundle(args.bundle, llm=args.llm, dtype=args.dtype, ssm_dtype=args.ssm_dtype)
     run_server(bundle, config, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -3,6 +3,8 @@
 Requests are checked in layers, each with its own status, so that clients learn what to fix:
 
 - the body is not JSON, not UTF-8, or not a JSON object: 400 (``invalid_json``);
+- a number holds an integer of more digits than Python converts (``sys.get_int_max_str_digits()``,
+  4,300 by default), in any field, ignored ones too: 400 (``invalid_value``, naming the field);
 - a string holds a lone UTF-16 surrogate (``"\\ud800"`` in JSON; no tokenizer takes it): 400
   (``invalid_value``);
 - a field is missing or has the wrong JSON type (pydantic, strict: ``"5"`` is not a number and
@@ -22,6 +24,8 @@ and ``prompt_token_ids`` beside ``choices``.
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -258,7 +262,7 @@ def _max_tokens(requested: int | None, field: str, default: int, prompt_len: int
     return requested
 
 
-def _is_unicode(s: str) -> bool:
+def is_unicode(s: str) -> bool:
     """False if ``s`` holds a lone UTF-16 surrogate (JSON's ``"\\ud800"`` decodes to one), which no
     tokenizer accepts and no UTF-8 response can echo."""
     if s.isascii():
@@ -284,9 +288,9 @@ def _check_unicode(raw: dict) -> None:
     while stack:  # iterative: bodies nest as deep as json.loads allows
         path, value = stack.pop()
         if isinstance(value, str):
-            bad = None if _is_unicode(value) else path
+            bad = None if is_unicode(value) else path
         elif isinstance(value, dict):
-            bad = next((path + [k] for k in value if not _is_unicode(k)), None)
+            bad = next((path + [k] for k in value if not is_unicode(k)), None)
             stack.extend((path + [k], v) for k, v in value.items())
         elif isinstance(value, list):
             stack.extend((path + [i], v) for i, v in enumerate(value))
@@ -298,6 +302,63 @@ def _check_unicode(raw: dict) -> None:
             param = bad[0] if len(bad) > 1 or isinstance(value, str) else None
             raise APIError(400, f"'{shown}' holds a lone UTF-16 surrogate, which is not Unicode text: send "
                            "characters outside the BMP as a surrogate pair or as UTF-8.", param, "invalid_value")
+
+
+class _Unconvertible:
+    """Where the body held an integer too long for ``int()``: its digit count, found and named later."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+
+def decode_json(data: bytes) -> Any:
+    """A request body (bytes) → its JSON value, or a 400 :class:`APIError` naming what is wrong.
+
+    Runs on the parsing thread: a 1 MB body takes milliseconds to decode, which the event loop must not
+    spend. Integers too long for ``int()`` (it refuses more than ``sys.get_int_max_str_digits()`` digits,
+    a guard against quadratic conversion) decode to a marker, so that the error can name their field.
+    """
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise APIError(400, "The request body is not UTF-8 text.", None, "invalid_json") from None
+    if not text.strip():
+        raise APIError(400, "The request body is empty; send a JSON object.", None, "invalid_json")
+    found: list[_Unconvertible] = []
+
+    def parse_int(digits: str) -> int | _Unconvertible:
+        try:
+            return int(digits)
+        except ValueError:  # only the digit limit: json hands over well-formed integers
+            found.append(_Unconvertible(len(digits.lstrip("-"))))
+            return found[-1]
+
+    try:
+        value = json.loads(text, parse_int=parse_int)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise APIError(400, f"Could not parse the request body as JSON: {e}.", None, "invalid_json") from None
+    if found:
+        _refuse_unconvertible(value)
+    return value
+
+
+def _refuse_unconvertible(raw: Any) -> None:
+    """Raise the 400 for the first :class:`_Unconvertible` in ``raw``, naming its field."""
+    stack: list[tuple[list[str | int], Any]] = [([], raw)]
+    while stack:  # iterative, as in _check_unicode
+        path, value = stack.pop()
+        if isinstance(value, _Unconvertible):
+            break
+        if isinstance(value, dict):
+            stack.extend((path + [k], v) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((path + [i], v) for i, v in reversed(list(enumerate(value))))
+    else:
+        raise AssertionError("decode_json found an unconvertible integer that is not in the body")
+    where = "the request body" if not path else "'" + _path(path).encode("utf-8", "backslashreplace").decode() + "'"
+    param = path[0] if path and isinstance(path[0], str) and is_unicode(path[0]) else None
+    raise APIError(400, f"{where} holds an integer of {value.digits} digits, more than this server converts "
+                   f"({sys.get_int_max_str_digits()}); send a shorter number.", param, "invalid_value")
 
 
 def _validate(model: type[_Strict], raw: Any) -> Any:

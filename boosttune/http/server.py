@@ -8,16 +8,20 @@ accept lengths, SSMs and their hits, queue and engine seconds); streams carry it
 holds the finish reason.
 
 One engine worker thread (``worker.py``) serves the requests in arrival order; the HTTP layer
-accepts any number concurrently, validates and tokenises them on a thread of its own (off the event
-loop) and queues them (``max_queue`` waiting, then 503). A client that disconnects cancels its
-request: a stream's generator is cancelled by Starlette, and a non-streamed request waits for its
-events and for the ASGI disconnect message at once (a client that leaves before its body is read is
-counted as cancelled too, and nothing is queued). The wire format and the validation
-of requests are in ``protocol.py``, the metrics in ``metrics.py``.
+accepts any number concurrently, decodes, validates and tokenises them off the event loop (large
+bodies on a thread of their own, so that small ones never wait behind them) and queues them
+(``max_queue`` waiting, then 503). A client that disconnects cancels its request: a stream's
+generator is cancelled by Starlette, and a non-streamed request waits for its events and for the
+ASGI disconnect message at once (a client that leaves before its body is read is counted as
+cancelled too, and nothing is queued). The wire format and the validation of requests are in
+``protocol.py``, the metrics in ``metrics.py``.
 
 Shutdown (SIGTERM, Ctrl-C): new requests get 503 (``shutting_down``), open streams end at once with
 an error event and ``data: [DONE]``, waiting non-streamed requests get the 503, and then uvicorn
-closes the connections and the lifespan stops the worker; ``boosttune serve`` exits 0 on SIGTERM.
+closes the connections (an idle keep-alive one after a short wait, so that a request already sent on
+it gets its 503) and the lifespan stops the worker; ``boosttune serve`` exits 0 on SIGTERM. Clients
+that stall (headers or a body that never end, output never read) are cut off by the deadlines of
+``connection.py``.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import uvicorn
@@ -45,14 +49,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from boosttune import assemble
-from boosttune.serving.bundle import LoadedBundle
-from boosttune.serving.engine import GenerationResult
+from boosttune.http.connection import guarded_protocol
 from boosttune.http.metrics import RequestMetricsMiddleware, ServerMetrics
 from boosttune.http.protocol import (
     APIError,
     GenerationRequest,
     ModelLimits,
     chunk_body,
+    decode_json,
+    is_unicode,
     new_id,
     parse_chat,
     parse_completion,
@@ -61,6 +66,7 @@ from boosttune.http.protocol import (
     usage_chunk,
 )
 from boosttune.http.text import TextStream
+from boosttune.http.timeouts import ConnectionTimeouts
 from boosttune.http.worker import (
     CancelledEvent,
     DoneEvent,
@@ -71,10 +77,15 @@ from boosttune.http.worker import (
     QueueFullError,
     TokensEvent,
 )
+from boosttune.serving.bundle import LoadedBundle
+from boosttune.serving.engine import GenerationResult
 from boosttune.serving.stops import StopCriteria
 
 log = logging.getLogger(__name__)
 
+# Bodies above this many bytes are parsed on the large bodies' thread (a prompt of this size tokenises in
+# milliseconds; a 1 MB one takes seconds).
+LARGE_BODY_BYTES = 64 * 1024
 ENDPOINTS = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"})
 
 
@@ -85,7 +96,8 @@ class ServerConfig:
     Attributes:
         model_name: the model id clients send; None uses the bundle directory's name.
         max_queue: requests that may wait for the engine; more are answered 503.
-        max_body_bytes: larger request bodies are answered 413.
+        max_request_bytes: larger request bodies are answered 413 (before they are read, when their
+            Content-Length says so).
         default_max_tokens: chat answers' length when the request gives no max_tokens (completions
             default to OpenAI's 16); always capped by the room left in the context.
         warmup: generate a few tokens when the server starts, before the first request.
@@ -94,24 +106,30 @@ class ServerConfig:
             load: 0.25 s vs 1.1-16 s for 16 tokens of a tiny model).
         use_scheduler: plan every request with the bundle's learned scheduler, if it has one (False:
             every request drafts with all SSMs and the bundle's prompt-lookup default).
+        timeouts: how long a client may take to send a request or to read the answer (connection.py).
     """
 
     model_name: str | None = None
     max_queue: int = 64
-    max_body_bytes: int = 1 << 20
+    max_request_bytes: int = 1 << 20
     default_max_tokens: int = 256
     warmup: bool = True
     torch_threads: int | None = None
     use_scheduler: bool = True
+    timeouts: ConnectionTimeouts = field(default_factory=ConnectionTimeouts)
 
     def __post_init__(self) -> None:
-        for name in ("max_queue", "max_body_bytes", "default_max_tokens"):
+        for name in ("max_queue", "max_request_bytes", "default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"server {name} must be >= 1, got {getattr(self, name)}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"server torch_threads must be >= 1 (or None), got {self.torch_threads}")
         if self.model_name is not None and not self.model_name.strip():
             raise ValueError("server model_name must not be empty (omit it to use the bundle's directory name)")
+        if self.model_name is not None and not is_unicode(self.model_name):
+            # it is echoed in every response, whose UTF-8 JSON cannot hold it (/v1/models answered 500)
+            raise ValueError(f"server model_name {self.model_name!r} holds a lone UTF-16 surrogate (or bytes that "
+                             "are not UTF-8): name the model in Unicode text")
 
 
 class _State:
@@ -127,11 +145,13 @@ class _State:
         self.model_name = config.model_name or bundle.root.resolve().name
         self.created = int(time.time())
         self.tokenizer = bundle.llm.tokenizer  # event-loop thread only
-        # Requests are validated and tokenised on a thread of their own (a 1 MB prompt takes seconds, which
-        # the event loop must not wait for), with their own copy of the tokenizer for the same reason
-        # as the worker's below.
-        self.parse_pool = ThreadPoolExecutor(1, thread_name_prefix="boosttune-parse")
-        self.parse_tokenizer = copy.deepcopy(self.tokenizer)
+        # Request bodies are decoded, validated and tokenised off the event loop (a 1 MB prompt takes
+        # seconds, which the loop must not wait for), each pool thread with its own copy of the tokenizer
+        # for the same reason as the worker's below. Large bodies have a thread of their own, so that a
+        # small request never waits behind a large one's tokenising (the tokenizer releases the GIL).
+        self.parse_pools = {large: ThreadPoolExecutor(1, thread_name_prefix=f"boosttune-parse-{name}")
+                            for large, name in ((False, "small"), (True, "large"))}
+        self.parse_tokenizers = {large: copy.deepcopy(self.tokenizer) for large in (False, True)}
         # The worker decodes for stop strings on its own thread: give it its own tokenizer object
         # (a Rust tokenizer shared across threads can fail with "Already borrowed").
         self.worker_tokenizer = AutoTokenizer.from_pretrained(bundle.root / bundle.manifest.tokenizer)
@@ -176,10 +196,14 @@ class _State:
         elif isinstance(event, FailedEvent):
             m.failed.inc()
 
-    async def parse(self, parse: Callable[[Any, Any, ModelLimits], GenerationRequest], raw: Any) -> GenerationRequest:
-        """``parse_completion`` or ``parse_chat`` of ``raw`` on the parsing thread."""
+    async def parse(self, parse: Callable[[Any, Any, ModelLimits], GenerationRequest],
+                    body: bytes) -> GenerationRequest:
+        """``parse_completion`` or ``parse_chat`` of the JSON ``body`` on a parsing thread (the large
+        bodies' one above ``LARGE_BODY_BYTES``)."""
+        large = len(body) > LARGE_BODY_BYTES
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.parse_pool, parse, raw, self.parse_tokenizer, self.limits)
+        return await loop.run_in_executor(self.parse_pools[large], _decode_and_parse, parse, body,
+                                          self.parse_tokenizers[large], self.limits)
 
     def model_card(self) -> dict:
         b = self.bundle
@@ -206,6 +230,12 @@ class _State:
         return out
 
 
+def _decode_and_parse(parse: Callable[[Any, Any, ModelLimits], GenerationRequest], body: bytes, tokenizer: Any,
+                      limits: ModelLimits) -> GenerationRequest:
+    """JSON-decode ``body`` and validate and tokenise it with ``parse``; on a parsing thread."""
+    return parse(decode_json(body), tokenizer, limits)
+
+
 class _ErrorResponse(JSONResponse):
     """An error body in ASCII JSON: messages quote what the client sent, and Starlette's UTF-8 rendering
     would fail (a 500 instead of the error) on a lone surrogate that slipped through."""
@@ -223,8 +253,9 @@ def _shutting_down() -> APIError:
                     "shutting_down", type="server_error")
 
 
-async def _read_json(request: Request, limit: int) -> Any:
-    """The request body as JSON, refusing bodies over ``limit`` bytes (413) and malformed JSON (400)."""
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing bodies over ``limit`` bytes (413) as soon as that is known: from the
+    Content-Length before any of the body is read, else while it arrives."""
     declared = request.headers.get("content-length")
     too_big = APIError(413, f"The request body is larger than this server accepts ({limit} bytes).", None,
                        "request_too_large")
@@ -239,16 +270,7 @@ async def _read_json(request: Request, limit: int) -> Any:
         if total > limit:
             raise too_big
         chunks.append(chunk)
-    try:
-        text = b"".join(chunks).decode("utf-8")
-    except UnicodeDecodeError:
-        raise APIError(400, "The request body is not UTF-8 text.", None, "invalid_json") from None
-    if not text.strip():
-        raise APIError(400, "The request body is empty; send a JSON object.", None, "invalid_json")
-    try:
-        return json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise APIError(400, f"Could not parse the request body as JSON: {e}.", None, "invalid_json") from None
+    return b"".join(chunks)
 
 
 class _Submission:
@@ -420,7 +442,8 @@ def create_app(bundle: LoadedBundle, config: ServerConfig | None = None) -> Fast
             yield
         finally:
             state.worker.close()
-            state.parse_pool.shutdown(wait=False, cancel_futures=True)
+            for pool in state.parse_pools.values():
+                pool.shutdown(wait=False, cancel_futures=True)
 
     # No /docs, /redoc or /openapi.json: the handlers read raw JSON, so FastAPI's generated schema would
     # describe none of the API (README and protocol.py do).
@@ -478,13 +501,13 @@ def create_app(bundle: LoadedBundle, config: ServerConfig | None = None) -> Fast
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        raw = await _read_json(request, state.config.max_body_bytes)
-        return await _generate(state, request, await state.parse(parse_completion, raw))
+        body = await _read_body(request, state.config.max_request_bytes)
+        return await _generate(state, request, await state.parse(parse_completion, body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        raw = await _read_json(request, state.config.max_body_bytes)
-        return await _generate(state, request, await state.parse(parse_chat, raw))
+        body = await _read_body(request, state.config.max_request_bytes)
+        return await _generate(state, request, await state.parse(parse_chat, body))
 
     return app
 
@@ -528,9 +551,8 @@ class ServerThread:
         self._sock.bind((host, port))
         self.port = self._sock.getsockname()[1]
         self.state: _State = app.state.boosttune
-        # the grace period is a backstop: stop() ends the open requests first, so connections close at once
         self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on",
-                                                    timeout_graceful_shutdown=5))
+                                                    **_uvicorn_settings(self.state.config)))
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
                                         name="uvicorn", daemon=True)
 
@@ -572,11 +594,18 @@ def run_server(bundle: LoadedBundle, config: ServerConfig, host: str = "127.0.0.
     # stopped as asked: that handler ends run_server instead (and stops a server not yet serving).
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, **_uvicorn_settings(config))
     except _Terminated:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _uvicorn_settings(config: ServerConfig) -> dict:
+    """uvicorn's settings for ``config``: its h11 protocol with our deadlines (connection.py), and a grace
+    period for open requests at shutdown (a backstop: the app ends them first, so connections close at once)."""
+    t = config.timeouts
+    return {"http": guarded_protocol(t), "timeout_keep_alive": t.keep_alive, "timeout_graceful_shutdown": 5}
 
 
 class _Terminated(Exception):
