@@ -13,11 +13,11 @@ from boosttune.assemble import from_bundle
 from boosttune.core.kind_file import KIND_FILE, declare_kind, declared_kind
 from boosttune.core.rundir import RunDir
 from boosttune.export.bundle import export_bundle
+from boosttune.http.server import ServerConfig, create_app
 from boosttune.serving import kinds
 from boosttune.serving.bundle import load_bundle, verify_bundle
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.drafter import SSMDrafter
-from boosttune.http.server import ServerConfig, create_app
 from boosttune.serving.manifest import MANIFEST, BundleError
 from boosttune.serving.stops import StopCriteria
 

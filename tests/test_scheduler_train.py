@@ -144,9 +144,9 @@ def test_server_uses_the_exported_scheduler_and_stays_lossless(run_dir, tmp_path
     from boosttune.core.models import eos_token_ids
     from boosttune.core.prompts import encode_prompt
     from boosttune.export.bundle import export_bundle
+    from boosttune.http.server import ServerConfig, ServerThread, create_app
     from boosttune.serving.bundle import load_bundle
     from boosttune.serving.decode import incremental_generate
-    from boosttune.http.server import ServerConfig, ServerThread, create_app
     from boosttune.serving.stops import StopCriteria
 
     assert (run_dir / "scheduler" / "scheduler.json").is_file()  # written by the test above
