@@ -16,7 +16,8 @@ Design: :class:`StackedSSMs` holds the N models' weights per layer (fused q/k/v 
 ``lean.py``), their N KV caches as one (M, G, S, C) cache per layer, and runs ONE forward for all N
 drafters at each depth: every non-product op runs once over an (M, R, ...) batch, every product is a
 batched product over the M weights (``products``: "packed", M oneDNN-packed products, the fastest form
-measured here, see ``scripts/bench_stacked.py``; or "bmm", one ``torch.bmm``). It exposes N logical
+measured here, see ``scripts/bench_stacked.py``; or "bmm", one ``torch.bmm``; a weight all members
+share, e.g. one frozen LM head, is one product over all members' rows). It exposes N logical
 drafters (:class:`StackedMember`, one per SSM, each under the SSM's own name), so the engine, its
 plans, the learned scheduler's per-drafter labels and ``proposer_hits`` see N drafters as before and
 the engine stays untouched: the first member the engine asks for a tree at a step drafts all N trees
@@ -94,18 +95,32 @@ def stack_reason(models: Sequence[PreTrainedModel], names: Sequence[str]) -> str
 
 
 class _StackedLinear:
-    """M bias-free linear maps of one shape applied to M inputs: (M, R, I) → (M, R, O)."""
+    """M bias-free linear maps of one shape applied to M inputs: (M, R, I) → (M, R, O).
+
+    Where all M weights are one tensor (SSMs sharing a module, e.g. one frozen LM head), the map is one
+    product over all M R rows: the weight, the costly part of a few-row product, is read once.
+    """
 
     def __init__(self, weights: list[Tensor], products: str):
         self.products = products
+        self.shared = all(w is weights[0] or (w.data_ptr() == weights[0].data_ptr() and w.shape == weights[0].shape
+                                              and w.stride() == weights[0].stride()) for w in weights)
+        if self.shared:
+            weights = weights[:1]
         if products == "packed":
             self.packed = [cpu_linear.pack(w) for w in weights]  # each (O, I), oneDNN's blocked layout
         else:
-            self.wt = torch.stack([w.t() for w in weights]).contiguous()  # (M, I, O)
+            self.wt = torch.stack([w.t() for w in weights]).contiguous()  # (M, I, O), (1, I, O) shared
 
     def __call__(self, x: Tensor) -> Tensor:
+        m, r, i = x.shape
+        if self.shared:
+            flat = x.reshape(1, m * r, i)  # (1, M R, I)
+            out = cpu_linear.packed_linear(flat[0], self.packed[0]) if self.products == "packed" else \
+                torch.bmm(flat, self.wt)[0]
+            return out.view(m, r, -1)  # (M, R, O)
         if self.products == "packed":
-            return torch.stack([cpu_linear.packed_linear(x[m], p) for m, p in enumerate(self.packed)])
+            return torch.stack([cpu_linear.packed_linear(x[j], p) for j, p in enumerate(self.packed)])
         return torch.bmm(x, self.wt)  # (M, R, O)
 
 
@@ -282,7 +297,10 @@ class StackedSSMs:
             if why is not None:
                 raise ValueError(f"cannot restrict the draft vocabulary: {why}; use the full vocabulary")
             ids = ids.to(self.device)
-            heads = [m.get_output_embeddings().weight.detach()[ids].contiguous() for m in self.models]  # (K, H)
+            if self._full_head.shared:  # one head: cut once, still one product
+                heads = [self.models[0].get_output_embeddings().weight.detach()[ids].contiguous()] * self.size
+            else:
+                heads = [m.get_output_embeddings().weight.detach()[ids].contiguous() for m in self.models]  # (K, H)
             self._head, self._head_ids = _StackedLinear(heads, self.products), ids
             self._vocab = self.models[0].get_output_embeddings().weight.shape[0]
         self._head_k = k

@@ -58,7 +58,22 @@ def test_stacked_trees_equal_separate_drafters_through_a_request(llm, tree, prod
     """Two engines, one with separate SSM drafters and one with the stacked group, decode the same
     request; every step's tree of every drafter is the same (so the caches were kept right), and
     both decode exactly as plain decoding does."""
+    _compare(llm, _ssms(llm, 3), tree, products)
+
+
+@pytest.mark.parametrize("products", ["packed", "bmm"])
+def test_a_shared_head_is_one_product_and_drafts_the_same(llm, products):
+    """SSMs sharing one LM head module: the stacked head is one product over all members' rows, cut
+    to a draft vocabulary as well, and the trees stay the separate drafters'."""
     ssms = _ssms(llm, 3)
+    for m in ssms[1:]:
+        m.lm_head = ssms[0].lm_head
+    group = _compare(llm, ssms, TREES[3], products)
+    assert group._full_head.shared and group._head.shared and not group._layers[0]["qkv"].shared
+
+
+def _compare(llm, ssms, tree, products):
+    """Separate and stacked drafters of ``ssms`` decode one request alike, tree by tree; returns the group."""
     names = ["a", "b", "c"]
     ranking = torch.randperm(64, generator=torch.Generator().manual_seed(1))
     v = llm.get_output_embeddings().weight.shape[0]
@@ -82,6 +97,7 @@ def test_stacked_trees_equal_separate_drafters_through_a_request(llm, tree, prod
         mb, mapb = merge_trees([stk[n].trees[step] for n in names], dedupe=True)
         _same(ma, mb)
         assert all(torch.equal(x, y) for x, y in zip(mapa, mapb, strict=True))
+    return stk["a"].inner.group
 
 
 def test_stacked_caches_match_separate_runners_after_steps(llm):
