@@ -23,6 +23,11 @@ helper threads' work, so ``wall`` is the default there.
 Usage:
     python scripts/bench_stacked.py                 # the table (about two minutes on 2 cores)
     python scripts/bench_stacked.py --steps 8 --n-max 2
+    python scripts/bench_stacked.py --shared-head --dtype bf16   # adds SSMs sharing one LM head
+
+``--shared-head`` adds a column: the stacked group (packed) of SSMs that share one LM head (and, tied,
+their embedding), whose head product ``StackedSSMs`` computes once over all members' rows: what
+drafters trained with a frozen shared head would cost.
 """
 
 from __future__ import annotations
@@ -86,6 +91,8 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=4, help="chain depth drafted per step")
     ap.add_argument("--prefix", type=int, default=200, help="prompt tokens before the timed steps")
     ap.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="one dtype only (default: both)")
+    ap.add_argument("--shared-head", action="store_true", help="add SSMs sharing one LM head, stacked")
     ap.add_argument("--clock", choices=("cpu", "wall"), default=None,
                     help="cpu: this thread's CPU time; wall: wall time (default: cpu with one thread, else wall)")
     args = ap.parse_args()
@@ -93,13 +100,16 @@ def main() -> None:
     clock_name = args.clock or ("cpu" if torch.get_num_threads() == 1 else "wall")
     clock = time.thread_time if clock_name == "cpu" else time.perf_counter
     dtypes = [torch.float32] + ([torch.bfloat16] if native_bf16() else [])
+    if args.dtype:
+        dtypes = [d for d in dtypes if d == {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]]
     print(f"threads {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}), "
           f"native bf16: {native_bf16()}, chain depth {args.depth}, prefix {args.prefix}, "
           f"{args.steps} timed steps, {clock_name} clock; ms per draft depth (median); ratio: to one separate "
           "SSM drafter of the same dtype and head\n")
+    extra = " shared-head packed ms | shared ratio |" if args.shared_head else ""
     print("| dtype | head | N | separate ms | sep. ratio | stacked packed ms | packed ratio "
-          "| stacked bmm ms | bmm ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"| stacked bmm ms | bmm ratio |{extra}")
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if args.shared_head else ""))
     base = ssm(0)
     ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))
     tree_of = {"49152": TreeConfig(widths=(1,) * args.depth), "8192": TreeConfig(widths=(1,) * args.depth,
@@ -111,6 +121,13 @@ def main() -> None:
                 g = torch.Generator().manual_seed(j)
                 for p in m.parameters():
                     p.add_((torch.randn(p.shape, generator=g) * 0.01).to(dtype))
+        shared = []
+        for m in models:  # the same bodies, one LM head (tied: one embedding too)
+            c, body = copy.copy(m), copy.copy(m.model)  # shallow: own module tables, the same weights
+            c._modules, body._modules = dict(m._modules), dict(m.model._modules)
+            c.model, c.lm_head = body, models[0].lm_head
+            body.embed_tokens = models[0].model.embed_tokens
+            shared.append(c)
         for head, tree in tree_of.items():
             one = None
             for n in range(1, args.n_max + 1):
@@ -120,18 +137,20 @@ def main() -> None:
                     "packed": list(stacked_drafters(models[:n], names, VOCAB, ranking, "packed").values()),
                     "bmm": list(stacked_drafters(models[:n], names, VOCAB, ranking, "bmm").values()),
                 }
+                if args.shared_head:
+                    variants["shared"] = list(stacked_drafters(shared[:n], names, VOCAB, ranking, "packed").values())
                 # a group drafts all its members at a member's first call: time the group through one
-                for k in ("packed", "bmm"):
+                for k in ("packed", "bmm", "shared")[: 3 if args.shared_head else 2]:
                     variants[k] = variants[k][:1]
                 ms = {k: 1e3 * v for k, v in time_steps(variants, tree, args.prefix, args.steps, clock).items()}
                 one = one or ms["separate"]
                 name = str(dtype).removeprefix("torch.")
                 print(f"| {name} | {head} | {n} | {ms['separate']:.2f} | {ms['separate'] / one:.2f} "
-                      f"| {ms['packed']:.2f} | {ms['packed'] / one:.2f} | {ms['bmm']:.2f} | {ms['bmm'] / one:.2f} |",
-                      flush=True)
+                      f"| {ms['packed']:.2f} | {ms['packed'] / one:.2f} | {ms['bmm']:.2f} | {ms['bmm'] / one:.2f} |"
+                      + (f" {ms['shared']:.2f} | {ms['shared'] / one:.2f} |" if args.shared_head else ""), flush=True)
                 del variants
                 gc.collect()
-        del models
+        del models, shared
         gc.collect()
 
 
