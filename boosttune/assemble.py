@@ -33,6 +33,7 @@ from boosttune.serving.kinds import PromptLookupKind, SSMKind, kind
 from boosttune.serving.lean import llm_runner
 from boosttune.serving.lookup import LOOKUP_NAME, lookup_tree
 from boosttune.serving.sampling import SamplingParams
+from boosttune.serving.stacked import stack_reason, stacked_drafters
 from boosttune.serving.stops import StopCriteria
 from boosttune.serving.tree import TreeConfig
 
@@ -79,7 +80,7 @@ def ssm_names(n: int) -> list[str]:
 def engine_from_models(
     llm: PreTrainedModel, ssms: Mapping[str, PreTrainedModel] | Sequence[PreTrainedModel],
     tree: TreeConfig | Mapping[str, TreeConfig], ranking: Tensor | None = None, lookup: int = 0,
-    kinds: Mapping[str, str] | None = None,
+    kinds: Mapping[str, str] | None = None, stack_ssms: bool = False,
 ) -> SpeculativeEngine:
     """An engine over ``llm`` with a drafter per model, each built by its kind (``serving/kinds.py``).
 
@@ -92,6 +93,9 @@ def engine_from_models(
         lookup: > 0 adds the prompt-lookup drafter (``LOOKUP_NAME``, ``lookup.py``) after the
             others, proposing up to that many tokens by default.
         kinds: each model's kind by name (absent: "ssm").
+        stack_ssms: SSMs of one shape draft together in one batched forward per depth
+            (``serving/stacked.py``), each still a drafter of its own name; SSMs that cannot stack
+            with any other draft separately. Off by default.
     """
     named = dict(ssms) if isinstance(ssms, Mapping) else dict(zip(ssm_names(len(ssms)), ssms, strict=True))
     if LOOKUP_NAME in named:
@@ -101,14 +105,35 @@ def engine_from_models(
     if unknown:
         raise ValueError(f"kinds name drafters {sorted(unknown)} that are not among the models {list(named)}")
     v = llm.get_output_embeddings().weight.shape[0]
+    stacked = _stacked_ssms(named, kinds, v, ranking) if stack_ssms else {}
     drafters: dict[str, Drafter] = {
-        name: kind(kinds.get(name, SSMKind.name)).drafter(m, v, ranking) for name, m in named.items()
+        name: stacked[name] if name in stacked else kind(kinds.get(name, SSMKind.name)).drafter(m, v, ranking)
+        for name, m in named.items()
     }
     trees = {name: tree[name] if isinstance(tree, Mapping) else tree for name in named}
     if lookup:
         drafters[LOOKUP_NAME] = kind(PromptLookupKind.name).drafter(None, v, None)
         trees[LOOKUP_NAME] = lookup_tree(lookup)
     return SpeculativeEngine(llm_runner(llm), drafters, Plan(trees))
+
+
+def _stacked_ssms(
+    named: Mapping[str, PreTrainedModel], kinds: Mapping[str, str], vocab_size: int, ranking: Tensor | None,
+) -> dict[str, Drafter]:
+    """The SSMs of ``named`` that stack with at least one other, as stacked drafters by name: each SSM
+    joins the first group it stacks with (``stack_reason``), in merge order."""
+    groups: list[list[str]] = []
+    for name in (n for n in named if kinds.get(n, SSMKind.name) == SSMKind.name):
+        for group in groups:
+            if stack_reason([named[n] for n in (*group, name)], [*group, name]) is None:
+                group.append(name)
+                break
+        else:
+            groups.append([name])
+    out: dict[str, Drafter] = {}
+    for group in (g for g in groups if len(g) > 1):
+        out.update(stacked_drafters([named[n] for n in group], group, vocab_size, ranking))
+    return out
 
 
 def from_refs(
