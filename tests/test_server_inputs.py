@@ -207,11 +207,11 @@ def test_a_model_name_that_is_not_unicode_is_refused():
         ServerConfig(model_name="tiny\ud800")
 
 
-def test_a_1mb_prompt_is_tokenised_off_the_event_loop(server, http):
-    # 1 MB under the body limit, one token per character (1M tokens): 1.7 s of tokenising on a fast Xeon
-    # ("hello world, " repeated, 240k tokens, took 0.46 s there: too quick for the health checks to tell)
+def _big_prompt_in_background(server: str, done: dict) -> threading.Thread:
+    """POST a 1 MB prompt of 1M tokens (one per character: 1.7 s of tokenising on a fast Xeon; "hello
+    world, " repeated, 240k tokens, took 0.46 s there, too quick to tell) on a thread of its own;
+    ``done`` gets its response and seconds."""
     prompt = "a1b2c3d4e5" * 100_000
-    done: dict = {}
 
     def post() -> None:
         start = time.perf_counter()
@@ -220,6 +220,12 @@ def test_a_1mb_prompt_is_tokenised_off_the_event_loop(server, http):
 
     thread = threading.Thread(target=post)
     thread.start()
+    return thread
+
+
+def test_a_1mb_prompt_is_tokenised_off_the_event_loop(server, http):
+    done: dict = {}
+    thread = _big_prompt_in_background(server, done)
     waits = []
     while thread.is_alive():  # /health meanwhile: answered at once, not after the tokenizer
         start = time.perf_counter()
@@ -256,16 +262,8 @@ def test_a_1mb_prompt_does_not_delay_small_requests(server, http):
         return time.perf_counter() - start
 
     alone = sorted(small_request() for _ in range(3))[1]
-    prompt = "a1b2c3d4e5" * 100_000  # 1 MB, 1M tokens (see the test above)
     done: dict = {}
-
-    def post() -> None:
-        start = time.perf_counter()
-        done["response"] = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": prompt}, timeout=60)
-        done["seconds"] = time.perf_counter() - start
-
-    thread = threading.Thread(target=post)
-    thread.start()
+    thread = _big_prompt_in_background(server, done)
     beside = []
     while thread.is_alive():
         beside.append(small_request())
