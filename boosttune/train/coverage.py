@@ -87,3 +87,22 @@ def union_rank_rows(rows: Sequence[Sequence[Sequence[int]]]) -> list[list[int]]:
     """Per sample, the union's rank of each token: the minimum over drafters (``rows[s][p]`` as in
     :func:`sample_union_coverage`)."""
     return [np.min(np.asarray(per, dtype=np.int64), axis=0).tolist() for per in zip(*rows, strict=True)]
+
+
+def coverage_by_category(ranks: Sequence[Sequence[np.ndarray]], categories: Sequence[str], k: int) -> dict[str, dict]:
+    """:func:`coverage_summary` over every answer (``"all"``) and over each category's answers.
+
+    Args:
+        ranks: ``ranks[s][a]``: (len_a,) drafter ``s``'s ranks of answer ``a``'s tokens.
+        categories: (A,) each answer's category ("" counts as ``"uncategorised"``).
+        k: candidates per position.
+    """
+    groups: dict[str, list[int]] = {"all": list(range(len(categories)))}
+    for a, c in enumerate(categories):
+        groups.setdefault(c or "uncategorised", []).append(a)
+    out = {}
+    for name in ["all", *sorted(g for g in groups if g != "all")]:
+        flat = [np.concatenate([np.asarray(r[a], dtype=np.int64) for a in groups[name]] or [np.zeros(0, np.int64)])
+                for r in ranks]
+        out[name] = {"answers": len(groups[name]), **coverage_summary(np.stack(flat), k)}
+    return out
