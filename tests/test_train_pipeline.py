@@ -251,6 +251,25 @@ def test_independent_ablation_reuses_the_teacher(tiny_run: Path, tmp_path: Path)
     assert bad.returncode == 2 and "teacher.max_new_tokens=24" in bad.stderr
 
 
+def test_stages_finished_before_coverage_gain_it_on_resume(tiny_run: Path, tmp_path: Path) -> None:
+    """A run whose stages lack the coverage fields and the cached ranks (one from before they existed, its
+    config saying ``mode: boost``) gets them, recomputed from its saved SSMs: the same figures."""
+    run = Path(shutil.copytree(tiny_run, tmp_path / "run"))
+    want = json.loads((run / "report.json").read_text())["stages"]
+    keys = ("coverage_k", "heldout_coverage", "ssm_coverages", "union_coverage", "union_gain_over_best_single")
+    for k in (1, 2, 3):
+        for f in RunDir(run).stage_dir(k).glob("ranks-*.json"):
+            f.unlink()
+        path = RunDir(run).stage_summary(k)
+        path.write_text(json.dumps({x: v for x, v in json.loads(path.read_text()).items() if x not in keys}))
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("mode: match", "mode: boost"))
+    ok(train(run))
+    got = json.loads((run / "report.json").read_text())["stages"]
+    assert [{x: s[x] for x in keys} for s in got] == [{x: s[x] for x in keys} for s in want]
+    assert all(RunDir(run).stage_scores_files(k, "ranks-heldout") for k in (1, 2, 3))
+
+
 @pytest.mark.parametrize("mode", ["quantile", "weighted"])
 def test_quantile_and_weighted_boosting(tiny_run: Path, tmp_path: Path, mode: str) -> None:
     """Two stages on the tiny run's teacher (~15 s each): quantile drops the half of the pool SSM 1 covers

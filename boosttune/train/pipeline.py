@@ -9,8 +9,11 @@ run this same function on every rank (:mod:`boosttune.dist`).
 
 Boost-tuning (SpecInfer, arXiv 2305.09781 §4.2): SSM 1 trains on every training sample; after
 each stage, the samples that SSM matches (:mod:`boosttune.train.matching`) leave the pool and the next
-SSM trains on the rest. ``boost.mode: independent`` trains every SSM on all samples instead (the
-ablation). Every SSM starts from the same initialisation (``ssm.*``) with its own seed.
+SSM trains on the rest (``boost.mode: match``). ``quantile`` drops each pool's best-covered share
+instead, ``weighted`` keeps every sample and weighs down the tokens the earlier SSMs already cover
+(:mod:`boosttune.train.coverage`), ``independent`` trains every SSM on all samples (the ablation). Every
+SSM starts from the same initialisation (``ssm.*``) with its own seed. Each stage caches its SSM's ranks
+of the LLM's tokens, so its summary's ``union_coverage`` of SSMs 1..k costs one SSM's forward.
 """
 
 from __future__ import annotations
