@@ -179,15 +179,42 @@ class MatchConfig:
     fraction: float = 0.5
 
 
+BoostMode = Literal["match", "quantile", "weighted", "independent"]
+"""``boost.mode``'s names (``boosttune/train/pipeline.py`` ``stage_pool``; ``boost`` is read as ``match``)."""
+
+
 @dataclass
 class BoostConfig:
+    """Boost-tuning: N SSMs trained in stages, each toward what the earlier ones miss
+    (``boosttune/train/pipeline.py``; coverage as in ``boosttune/train/coverage.py``).
+
+    Attributes:
+        num_ssms: how many SSMs (stages).
+        mode: what stage k > 1 trains on.
+            ``match``: the samples no earlier SSM matched by ``boost.match`` (SpecInfer's pool, arXiv
+            2305.09781 §4.2; called ``boost`` before other modes existed, still read as ``match``);
+            ``quantile``: the previous stage's pool without its best-covered ``boost.quantile`` share, ranked
+            by the top-``top_k`` coverage of SSMs 1..k-1 together (their union) on each sample;
+            ``weighted``: every sample, each token's loss weighted ``boost.covered_weight`` where SSMs 1..k-1
+            already hold the LLM's token among their top-``top_k`` candidates, 1 elsewhere (the next SSM
+            learns the union's misses);
+            ``independent``: every sample with its own seed (the ablation boosting must beat).
+        match: the match criterion of ``match`` mode (and of the summaries' match rates in every mode).
+        min_pool: if fewer samples are left in the pool, later stages train on all samples instead.
+        quantile: ``quantile`` mode: the share of each stage's pool that leaves it (the best covered).
+        covered_weight: ``weighted`` mode: the loss weight of a token the earlier SSMs cover (0: ignored).
+        top_k: candidates per position that count as covering the LLM's token, for ``quantile``,
+            ``weighted`` and the stages' ``union_coverage`` (0: the tree's first width, ``tree.widths[0]``;
+            ``tree.*`` may change on resume, so set it to pin a ``quantile``/``weighted`` run's pools).
+    """
+
     num_ssms: int = 3
-    mode: Literal["boost", "independent"] = "boost"
-    """boost: each stage trains on what earlier SSMs failed to match (SpecInfer); independent:
-    every SSM on all samples with its own seed (the ablation)."""
+    mode: BoostMode = "match"
     match: MatchConfig = field(default_factory=MatchConfig)
     min_pool: int = 8
-    """If fewer samples remain unmatched, later stages train on all samples instead."""
+    quantile: float = 0.5
+    covered_weight: float = 0.1
+    top_k: int = 0
 
 
 FeatureLoss = Literal["kl", "ce", "tv", "kl+tv"]
@@ -558,13 +585,17 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
 
 def _read_legacy_fields(data: dict) -> None:
     """Fields of configs written before they moved (run directories keep their config.yaml):
-    ``eval.widths`` is ``tree.widths`` (an expansion tree), from before the ``tree:`` section."""
+    ``eval.widths`` is ``tree.widths`` (an expansion tree), from before the ``tree:`` section;
+    ``boost.mode: boost`` is ``match``, from before other boosting modes."""
     section = data.get("eval")
     if isinstance(section, dict) and "widths" in section:
         tree = data.setdefault("tree", {})
         if not isinstance(tree, dict) or "widths" in tree:
             raise ConfigError("eval.widths: the tree moved to the tree: section; set tree.widths only")
         tree["widths"] = section.pop("widths")
+    boost = data.get("boost")
+    if isinstance(boost, dict) and boost.get("mode") == "boost":  # SpecInfer's pool, before other modes existed
+        boost["mode"] = "match"
 
 
 def _check(ok: bool, where: str, msg: str) -> None:
@@ -624,6 +655,10 @@ def validate(cfg: TrainConfig) -> None:
     _check(b.num_ssms >= 1, "boost.num_ssms", "must be >= 1")
     _check(b.match.k >= 1, "boost.match.k", "must be >= 1")
     _check(0 < b.match.fraction <= 1, "boost.match.fraction", "must be in (0, 1]")
+    _check(0 < b.quantile < 1, "boost.quantile", f"must be in (0, 1) (the share of each pool that leaves), got {b.quantile}")
+    _check(0 <= b.covered_weight <= 1, "boost.covered_weight",
+           f"must be in [0, 1] (1: no boosting, 0: covered tokens ignored), got {b.covered_weight}")
+    _check(b.top_k >= 0, "boost.top_k", f"must be >= 0 (0: the tree's first width), got {b.top_k}")
     if cfg.teacher.reuse_from:
         _check(RunDir(cfg.teacher.reuse_from).prompts_info() is not None, "teacher.reuse_from",
                f"{cfg.teacher.reuse_from} is not a run directory with a finished prompt set")

@@ -115,6 +115,7 @@ def test_report_has_one_entry_per_stage(tiny_run: Path) -> None:
     # the ensemble never matches fewer held-out samples than any stage alone
     for k, s in enumerate(stages):
         assert s["ensemble_match_rate"] >= max(t["heldout_match_rate"] for t in stages[: k + 1]) - 1e-9
+    check_coverage(stages)
     ev = report["evaluation"]
     assert [x["ssm"] for x in ev["singles"]] == ["ssm-1", "ssm-2", "ssm-3"]
     assert ev["ensemble"]["tau"] >= 1.0 and ev["prompts"] == 2
@@ -126,6 +127,17 @@ def test_report_has_one_entry_per_stage(tiny_run: Path) -> None:
     ranking = json.loads((tiny_run / "draft_vocab.json").read_text())
     assert ranking["vocab_size"] == len(ranking["ranking"]) == len(set(ranking["ranking"]))
     assert report["prompts"]["held_out"] > 0 and 0 < ranking["tokens_counted"] < report["teacher"]["tokens"]
+
+
+def check_coverage(stages: list[dict]) -> None:
+    """Each stage's held-out coverage: its own SSM's, every SSM's so far, their union (never below any one,
+    never shrinking as SSMs join)."""
+    for k, s in enumerate(stages):
+        assert s["coverage_k"] >= 1 and len(s["ssm_coverages"]) == k + 1
+        assert s["ssm_coverages"] == [t["heldout_coverage"] for t in stages[: k + 1]]
+        assert 0 <= max(s["ssm_coverages"]) <= s["union_coverage"] <= 1
+        assert s["union_gain_over_best_single"] == pytest.approx(s["union_coverage"] - max(s["ssm_coverages"]))
+        assert k == 0 or s["union_coverage"] >= stages[k - 1]["union_coverage"]
 
 
 def mtimes(path: Path) -> dict[Path, int]:
@@ -237,6 +249,52 @@ def test_independent_ablation_reuses_the_teacher(tiny_run: Path, tmp_path: Path)
     assert [s["pool_before"] for s in stages] == [48, 48] and all(s["mode"] == "independent" for s in stages)
     bad = train(tmp_path / "other", f"teacher.reuse_from={tiny_run}", "teacher.max_new_tokens=5")
     assert bad.returncode == 2 and "teacher.max_new_tokens=24" in bad.stderr
+
+
+def test_stages_finished_before_coverage_gain_it_on_resume(tiny_run: Path, tmp_path: Path) -> None:
+    """A run whose stages lack the coverage fields and the cached ranks (one from before they existed, its
+    config saying ``mode: boost``) gets them, recomputed from its saved SSMs: the same figures."""
+    run = Path(shutil.copytree(tiny_run, tmp_path / "run"))
+    want = json.loads((run / "report.json").read_text())["stages"]
+    keys = ("coverage_k", "heldout_coverage", "ssm_coverages", "union_coverage", "union_gain_over_best_single")
+    for k in (1, 2, 3):
+        for f in RunDir(run).stage_dir(k).glob("ranks-*.json"):
+            f.unlink()
+        path = RunDir(run).stage_summary(k)
+        path.write_text(json.dumps({x: v for x, v in json.loads(path.read_text()).items() if x not in keys}))
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("mode: match", "mode: boost"))
+    ok(train(run))
+    got = json.loads((run / "report.json").read_text())["stages"]
+    assert [{x: s[x] for x in keys} for s in got] == [{x: s[x] for x in keys} for s in want]
+    assert all(RunDir(run).stage_scores_files(k, "ranks-heldout") for k in (1, 2, 3))
+
+
+@pytest.mark.parametrize("mode", ["quantile", "weighted"])
+def test_quantile_and_weighted_boosting(tiny_run: Path, tmp_path: Path, mode: str) -> None:
+    """Two stages on the tiny run's teacher (~15 s each): quantile drops the half of the pool SSM 1 covers
+    best; weighted keeps every sample and weighs down the tokens SSM 1 covers."""
+    from boosttune.train.coverage import remove_best_covered, sample_union_coverage
+
+    run = tmp_path / mode
+    ok(train(run, f"teacher.reuse_from={tiny_run}", f"boost.mode={mode}", "boost.num_ssms=2", "boost.top_k=4",
+             "boost.min_pool=2", "eval.enabled=false"))
+    stages = json.loads((run / "report.json").read_text())["stages"]
+    assert [s["mode"] for s in stages] == [mode, mode] and stages[0]["coverage_k"] == 4
+    check_coverage(stages)
+    rd = RunDir(run)
+    first, second = (json.loads(rd.stage_match(k).read_text()) for k in (1, 2))
+    ranks = {int(i): v for i, v in json.loads(rd.stage_scores(1, "ranks-train", 0).read_text()).items()}
+    ranks1 = [ranks[i] for i in range(len(ranks))]
+    if mode == "quantile":
+        assert [s["pool_before"] for s in stages] == [48, 24]
+        assert second["pool"] == first["pool_after"] == remove_best_covered(
+            first["pool"], sample_union_coverage([ranks1], 4), 0.5)
+    else:
+        assert [s["pool_before"] for s in stages] == [48, 48] and second["pool"] == list(range(48))
+        covered = sum(r < 4 for row in ranks1 for r in row) / sum(len(row) for row in ranks1)
+        assert stages[1]["train_covered_before"] == pytest.approx(covered) and 0 < covered < 1
+        assert "train_covered_before" not in stages[0]
 
 
 def test_kill_during_teacher_keeps_whole_shards_and_ignores_the_half_written_one(tmp_path: Path) -> None:

@@ -265,3 +265,75 @@ def test_llm_cast_from_fp32_is_a_load_in_that_dtype() -> None:
     first.model.config._attn_implementation = "eager" if attn != "eager" else "sdpa"  # as the teacher sets its own
     assert llm.get(torch.bfloat16, "cpu") is first and first.model.config._attn_implementation == attn
     assert llm.get(torch.float32, "cpu").model.dtype == torch.float32
+
+
+# --------------------------------------------------------------------------------- boosting modes
+def test_quantile_pool_and_weighted_pool() -> None:
+    from boosttune.train.pipeline import next_pool
+
+    pool, matched = [0, 2, 3, 5], [True, False, False, True, False, False]
+    covered = [0.0, 0.0, 0.9, 0.2, 0.0, 0.7]
+    assert next_pool(BoostConfig(), pool, matched, None) == [2, 5]  # match: unmatched ones stay
+    assert next_pool(BoostConfig(mode="quantile", quantile=0.5), pool, matched, covered) == [0, 3]
+    assert next_pool(BoostConfig(mode="weighted"), pool, matched, None) == pool
+    assert stage_pool(BoostConfig(mode="quantile", min_pool=2), 2, 6, [0, 3]) == [0, 3]
+    assert stage_pool(BoostConfig(mode="weighted", min_pool=2), 2, 6, [0, 3]) == list(range(6))
+
+
+def _weighted_batch(n: int, seed: int, kind: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    g = torch.Generator().manual_seed(seed)
+    vocab = 300
+    logits = torch.randn(n, vocab, generator=g) * 3
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    batch = {"topk_ids": torch.randint(0, vocab, (n, 4), generator=g), "topk_logprobs": torch.randn(n, 4, generator=g)}
+    return logits, targets, batch
+
+
+@pytest.mark.parametrize("kind", ["ce", "ce+kl", "ce+tv"])
+def test_weighted_loss_with_unit_weights_is_the_loss_bit_for_bit(kind: str) -> None:
+    for n in (1, 7, 33, 257):
+        logits, targets, batch = _weighted_batch(n, n, kind)
+        plain = distill_losses(logits, targets, batch, kind)
+        ones = distill_losses(logits, targets, {**batch, "weights": torch.ones(n)}, kind)
+        assert plain.keys() == ones.keys()
+        for k in plain:
+            assert torch.equal(plain[k], ones[k]), (n, k)
+
+
+@pytest.mark.parametrize("kind", ["ce", "ce+kl", "ce+tv"])
+def test_weighted_loss_with_zero_weights_is_the_loss_over_the_other_tokens(kind: str) -> None:
+    logits, targets, batch = _weighted_batch(40, 3, kind)
+    keep = torch.arange(40) % 3 != 1
+    sub = distill_losses(logits[keep], targets[keep], {k: v[keep] for k, v in batch.items()}, kind)
+    weighted = distill_losses(logits, targets, {**batch, "weights": keep.float()}, kind)
+    for k in sub:
+        torch.testing.assert_close(weighted[k], sub[k])
+    # weights scale: 0.1 on some tokens is the mean with those tokens counted a tenth
+    w = torch.where(keep, 1.0, 0.1)
+    ce = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+    torch.testing.assert_close(distill_losses(logits, targets, {**batch, "weights": w}, kind)["ce"],
+                               (ce * w).sum() / w.sum())
+
+
+def test_collate_carries_token_weights_in_loss_order() -> None:
+    s = [Sample([5, 6, 7, 8, 9], 2, weights=[1.0, 0.1, 1.0]), Sample([5, 6, 7], 1, weights=[0.1, 1.0])]
+    b = collate(s, pad_id=0)
+    assert b["weights"].tolist() == pytest.approx([1.0, 0.1, 1.0, 0.1, 1.0])
+    assert "weights" not in collate([Sample([5, 6, 7], 1)], pad_id=0)  # no weights: today's batch
+
+
+def test_teacher_forced_ranks_agree_with_token_ranks() -> None:
+    from boosttune.core.ranks import token_ranks
+    from boosttune.train.matching import teacher_forced_scores
+
+    llm = tiny_llama(3)
+    samples = _greedy_samples(llm, 3, 6)
+    model = perturbed(llm, 0, 1.0)
+    agree, ranks = teacher_forced_scores(model, samples, pad_id=1)
+    assert agree == teacher_forced_agreement(model, samples, pad_id=1)
+    for s, r, a in zip(samples, ranks, agree, strict=True):
+        with torch.no_grad():
+            hidden = model.model(torch.tensor([s.ids[:-1]])).last_hidden_state[0, s.prompt_len - 1:]
+        want = token_ranks(hidden, model.get_output_embeddings().weight, None, torch.tensor(s.ids[s.prompt_len:]))
+        assert r == want.tolist()
+        assert [x == 0 for x in r] == a  # no ties in fp32 here: rank 0 is the argmax

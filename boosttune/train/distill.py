@@ -37,6 +37,9 @@ class Sample:
     prompt_len: int
     topk_ids: list[list[int]] | None = None
     topk_logprobs: list[list[float]] | None = None
+    weights: list[float] | None = None
+    """Per continuation token, the weight of its loss (None: 1 everywhere, today's unweighted mean;
+    ``boost.mode: weighted`` sets them, ``boosttune/train/coverage.py`` ``token_weights``)."""
 
 
 def samples_from_teacher(ds, indices: Sequence[int], max_len: int = 0) -> list[Sample]:
@@ -87,6 +90,8 @@ def collate(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:
         # rows in the same order as loss_mask's True entries (row-major)
         batch["topk_ids"] = torch.tensor([t for s in samples for t in s.topk_ids], dtype=torch.long)
         batch["topk_logprobs"] = torch.tensor([t for s in samples for t in s.topk_logprobs], dtype=torch.float32)
+    if samples[0].weights is not None:  # same row order; absent, the loss is the plain mean (bit for bit)
+        batch["weights"] = torch.tensor([w for s in samples for w in s.weights], dtype=torch.float32)
     return batch
 
 
@@ -139,17 +144,33 @@ class BatchOrder(Sampler[int]):
 
 
 def distill_losses(logits: torch.Tensor, targets: torch.Tensor, batch: dict, kind: str) -> dict[str, torch.Tensor]:
-    """CE (+ KL/TV against the teacher's renormalised top-k) at the loss positions; logits (n, V)."""
+    """CE (+ KL/TV against the teacher's renormalised top-k) at the loss positions; logits (n, V).
+
+    Each term is the mean over the n positions, or, when the batch has per-token ``weights`` (n,) not all
+    1, the weighted mean ``sum(w * loss) / sum(w)`` (tokens of weight 0 drop out; a batch of weight 0 only
+    gives 0). Weights all 1 take the plain mean's path: ``F.cross_entropy``'s mean sums in another order
+    than ``(w * x).sum()``, which differs in the last bits, and all-ones must train exactly as no weights."""
     logits = logits.float()
-    out = {"ce": F.cross_entropy(logits, targets)}
+    weights = batch.get("weights")
+    if weights is None or bool((weights == 1).all()):  # host sync, once per batch
+        def reduce(x: torch.Tensor) -> torch.Tensor:
+            return x.mean()
+        out = {"ce": F.cross_entropy(logits, targets)}
+    else:
+        w = weights.to(logits.device, torch.float32)
+        assert w.shape == targets.shape, (w.shape, targets.shape)
+
+        def reduce(x: torch.Tensor) -> torch.Tensor:
+            return (x * w).sum() / w.sum().clamp_min(torch.finfo(torch.float32).tiny)
+        out = {"ce": reduce(F.cross_entropy(logits, targets, reduction="none"))}
     if kind != "ce" and "topk_ids" in batch:
         logq = torch.log_softmax(logits, dim=-1)
         logq_k = logq.gather(1, batch["topk_ids"])  # (n, k)
         logp_k = torch.log_softmax(batch["topk_logprobs"], dim=-1)  # renormalised top-k
         if kind == "ce+kl":
-            out["kl"] = (logp_k.exp() * (logp_k - logq_k)).sum(-1).mean()
+            out["kl"] = reduce((logp_k.exp() * (logp_k - logq_k)).sum(-1))
         else:
-            out["tv"] = total_variation(logp_k.exp(), logq_k.exp()).mean()
+            out["tv"] = reduce(total_variation(logp_k.exp(), logq_k.exp()))
     return out
 
 

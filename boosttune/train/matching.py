@@ -42,22 +42,35 @@ def is_match(agree: Sequence[bool], cfg: MatchConfig) -> bool:
 def teacher_forced_agreement(model, samples: Sequence[Sample], pad_id: int, batch_tokens: int = 8192,
                              autocast: bool = False) -> list[list[bool]]:
     """Per sample, per continuation position: does the SSM's argmax equal the LLM's token?"""
+    return teacher_forced_scores(model, samples, pad_id, batch_tokens, autocast)[0]
+
+
+@torch.inference_mode()
+def teacher_forced_scores(model, samples: Sequence[Sample], pad_id: int, batch_tokens: int = 8192,
+                          autocast: bool = False) -> tuple[list[list[bool]], list[list[int]]]:
+    """Per sample, per continuation position, from one teacher-forced forward: whether the SSM's argmax
+    is the LLM's token (the match criterion's input), and the LLM's token's rank among the SSM's logits
+    (0: none higher; what top-k coverage is counted from, ``boosttune/train/coverage.py``)."""
     model.eval()
     device = next(model.parameters()).device
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    result: list[list[bool] | None] = [None] * len(samples)
+    agree: list[list[bool] | None] = [None] * len(samples)
+    ranks: list[list[int] | None] = [None] * len(samples)
     for idx in plan_batches([len(s.ids) for s in samples], batch_tokens, seed=None):
         b = collate([samples[i] for i in idx], pad_id)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             hidden = base.get_decoder()(input_ids=b["input_ids"].to(device),
                                         attention_mask=b["attention_mask"].to(device)).last_hidden_state
             mask = b["loss_mask"].to(device)
-            pred = base.get_output_embeddings()(hidden[mask]).argmax(-1)
-        hits = (pred == b["targets"].to(device)[mask]).cpu()
+            logits = base.get_output_embeddings()(hidden[mask])  # (n, V)
+            pred = logits.argmax(-1)
+        targets = b["targets"].to(device)[mask]
+        hits = (pred == targets).cpu()
+        rank = (logits > logits.gather(1, targets[:, None])).sum(1).cpu()  # (n,) as token_ranks counts
         lengths = [len(samples[i].ids) - samples[i].prompt_len for i in idx]
-        for i, row in zip(idx, agreement_rows(hits, lengths), strict=True):
-            result[i] = row
-    return result  # type: ignore[return-value]
+        for i, row, r in zip(idx, agreement_rows(hits, lengths), agreement_rows(rank, lengths), strict=True):
+            agree[i], ranks[i] = row, r
+    return agree, ranks  # type: ignore[return-value]
 
 
 def summarize_agreement(rows: Sequence[Sequence[bool]]) -> dict[str, float]:

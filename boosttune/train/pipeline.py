@@ -9,8 +9,11 @@ run this same function on every rank (:mod:`boosttune.dist`).
 
 Boost-tuning (SpecInfer, arXiv 2305.09781 §4.2): SSM 1 trains on every training sample; after
 each stage, the samples that SSM matches (:mod:`boosttune.train.matching`) leave the pool and the next
-SSM trains on the rest. ``boost.mode: independent`` trains every SSM on all samples instead (the
-ablation). Every SSM starts from the same initialisation (``ssm.*``) with its own seed.
+SSM trains on the rest (``boost.mode: match``). ``quantile`` drops each pool's best-covered share
+instead, ``weighted`` keeps every sample and weighs down the tokens the earlier SSMs already cover
+(:mod:`boosttune.train.coverage`), ``independent`` trains every SSM on all samples (the ablation). Every
+SSM starts from the same initialisation (``ssm.*``) with its own seed. Each stage caches its SSM's ranks
+of the LLM's tokens, so its summary's ``union_coverage`` of SSMs 1..k costs one SSM's forward.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -51,10 +55,17 @@ from boosttune.core.models import (
 from boosttune.core.rundir import REPORT_FORMAT, RunDir
 from boosttune.serving.kinds import FeatureKind, SSMKind
 from boosttune.train import dist
+from boosttune.train.coverage import (
+    coverage_summary,
+    remove_best_covered,
+    sample_union_coverage,
+    token_weights,
+    union_rank_rows,
+)
 from boosttune.train.distill import Sample, samples_from_teacher
 from boosttune.train.draft_ranking import ensure_draft_ranking
 from boosttune.train.faults import crash_point
-from boosttune.train.matching import is_match, summarize_agreement, teacher_forced_agreement
+from boosttune.train.matching import is_match, summarize_agreement, teacher_forced_scores
 from boosttune.train.sources import TrainPrompt, collect_prompts, default_seeds
 from boosttune.train.teacher.backends import backend_for, run_teacher
 from boosttune.train.teacher.shards import load_features, load_teacher, remove_shard_temporaries
@@ -387,11 +398,11 @@ def prompts_and_teacher(cfg: TrainConfig, run: RunDir, llm: LoadedModel) -> Teac
 
 # ------------------------------------------------------------------------------------------- stages
 def stage_pool(boost: BoostConfig, k: int, n_train: int, left: list[int] | None) -> list[int]:
-    """The training-sample indices stage ``k`` trains on: every one for stage 1 and for the
-    independent ablation; else ``left``, what stage k - 1 did not match (``unmatched``), unless
-    fewer than ``boost.min_pool`` are left (then every one again)."""
+    """The training-sample indices stage ``k`` trains on: every one for stage 1 and in the ``independent``
+    and ``weighted`` modes (weights, not the pool, steer ``weighted``); else ``left``, what stage k - 1 left
+    (:func:`next_pool`), unless fewer than ``boost.min_pool`` are left (then every one again)."""
     everything = list(range(n_train))
-    if k == 1 or boost.mode == "independent" or left is None or len(left) < boost.min_pool:
+    if k == 1 or boost.mode in ("independent", "weighted") or left is None or len(left) < boost.min_pool:
         return everything
     return list(left)
 
@@ -401,12 +412,64 @@ def unmatched(pool: list[int], matched: list[bool]) -> list[int]:
     return [i for i in pool if not matched[i]]
 
 
-def _score(model, samples, pad_id: int, autocast: bool) -> dict[int, list[bool]]:
-    """This rank's share of the samples: index -> per-position agreement."""
+def next_pool(boost: BoostConfig, pool: list[int], matched: list[bool], covered: list[float] | None) -> list[int]:
+    """What a stage leaves of its ``pool`` for the next: ``match`` (and ``independent``, whose record it is
+    only) the samples it did not match; ``quantile`` the pool without its best-``covered`` share (``covered[i]``:
+    the union's coverage of sample i so far); ``weighted`` all of it."""
+    if boost.mode == "quantile":
+        assert covered is not None, "quantile mode needs each sample's union coverage"
+        return remove_best_covered(pool, covered, boost.quantile)
+    if boost.mode == "weighted":
+        return list(pool)
+    return unmatched(pool, matched)
+
+
+def coverage_k(cfg: TrainConfig) -> int:
+    """Candidates per position that cover the LLM's token: ``boost.top_k``, else the tree's first width."""
+    return cfg.boost.top_k or (cfg.tree.widths[0] if cfg.tree.widths else 1)
+
+
+def _score(model, samples, pad_id: int, autocast: bool) -> tuple[dict[int, list[bool]], dict[int, list[int]]]:
+    """This rank's share of the samples: index -> per-position agreement, and index -> per-position rank
+    of the LLM's token (one forward for both)."""
     r, w = dist.rank(), dist.world_size()
     mine = [i for i in range(len(samples)) if i % w == r]
-    rows = teacher_forced_agreement(model, [samples[i] for i in mine], pad_id, autocast=autocast)
-    return dict(zip(mine, rows, strict=True))
+    agree, ranks = teacher_forced_scores(model, [samples[i] for i in mine], pad_id, autocast=autocast)
+    return dict(zip(mine, agree, strict=True)), dict(zip(mine, ranks, strict=True))
+
+
+def _stage_ranks(cfg: TrainConfig, run: RunDir, j: int, name: str, samples: list[Sample], pad_id: int) -> list[list[int]]:
+    """SSM ``j``'s ranks of the LLM's tokens on ``samples`` (``name``: train or heldout), as its stage
+    cached them (``stages/stage-J/ranks-NAME-rank*.json``); where the cache is missing or incomplete (a run
+    from before it existed), computed again from the saved SSM (the same weights, the same forward) and cached."""
+    rows: list = [None] * len(samples)
+    for p in run.stage_scores_files(j, f"ranks-{name}"):
+        for i, v in json.loads(p.read_text()).items():
+            if int(i) < len(rows):
+                rows[int(i)] = v
+    if all(r is not None for r in rows):
+        return rows
+    from transformers import AutoModelForCausalLM
+
+    from boosttune.train.stage import precision
+
+    dist.barrier()  # every rank has read the old files before any is replaced
+    model = AutoModelForCausalLM.from_pretrained(run.ssm_dir(j), dtype=torch.float32).eval()
+    _, part = _score(model, samples, pad_id, precision(cfg).startswith("bf16"))
+    return _gather_scores(run, j, f"ranks-{name}", part, len(samples))
+
+
+def _flat(rows: list[list[int]]) -> np.ndarray:
+    return np.asarray([x for r in rows for x in r], dtype=np.int64)  # (T,)
+
+
+def coverage_fields(held_ranks: list[list[list[int]]], k: int) -> dict:
+    """A stage's summary's coverage: ``held_ranks[s]`` SSM s + 1's held-out ranks, the stage's SSM last."""
+    c = coverage_summary(np.stack([_flat(r) for r in held_ranks]), k) if held_ranks[0] else None
+    return {"coverage_k": k, "heldout_coverage": c["topk"][-1] if c else 0.0,
+            "ssm_coverages": c["topk"] if c else [0.0] * len(held_ranks),
+            "union_coverage": c["union_topk"] if c else 0.0,
+            "union_gain_over_best_single": c["union_gain"] if c else 0.0}
 
 
 def _gather_scores(run: RunDir, k: int, name: str, part: dict[int, list[bool]], n: int) -> list[list[bool]]:
@@ -440,30 +503,54 @@ def build_init(cfg: TrainConfig, run: RunDir, llm) -> Path:
 
 
 def run_stage(cfg: TrainConfig, run: RunDir, k: int, init_dir: Path, tokenizer, train, held, pad_id: int) -> dict:
-    """Train SSM ``k`` on its pool, score it, save it; returns the stage's summary."""
+    """Train SSM ``k`` on its pool, score it, save it; returns the stage's summary. A finished stage's
+    summary is read back (and given the coverage fields it lacks, from the cached or recomputed ranks)."""
     from transformers import AutoModelForCausalLM
 
     from boosttune.train.stage import precision, train_stage
 
     out, summary_path = run.ssm_dir(k), run.stage_summary(k)
+    kc = coverage_k(cfg)
     if is_complete(out) and summary_path.exists():
-        return json.loads(summary_path.read_text())
+        summary = json.loads(summary_path.read_text())
+        if "union_coverage" not in summary:  # a stage finished before coverage was reported
+            held_ranks = [_stage_ranks(cfg, run, j, "heldout", held, pad_id) for j in range(1, k + 1)]
+            summary = {**summary, **coverage_fields(held_ranks, kc)}
+            if dist.is_main():
+                atomic_write_json(summary_path, summary)
+            dist.barrier()
+        return summary
     run.stage_dir(k).mkdir(parents=True, exist_ok=True)
     left = json.loads(run.stage_match(k - 1).read_text())["pool_after"] if k > 1 else None
     pool = stage_pool(cfg.boost, k, len(train), left)
+    earlier_train = [_stage_ranks(cfg, run, j, "train", train, pad_id) for j in range(1, k)] \
+        if cfg.boost.mode in ("quantile", "weighted") else []
+    samples = [train[i] for i in pool]
+    covered_before = None
+    if cfg.boost.mode == "weighted" and earlier_train:
+        union = union_rank_rows([[r[i] for i in pool] for r in earlier_train])
+        weights = token_weights(union, kc, cfg.boost.covered_weight)
+        samples = [replace(s, weights=w) for s, w in zip(samples, weights, strict=True)]
+        covered_before = float((_flat(union) < kc).mean())
     t0 = time.perf_counter()
-    _log(f"stage {k}/{cfg.boost.num_ssms}: training on {len(pool)} of {len(train)} samples")
+    _log(f"stage {k}/{cfg.boost.num_ssms}: training on {len(pool)} of {len(train)} samples ({cfg.boost.mode})")
     model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32).train()
-    model, stats = train_stage(model, [train[i] for i in pool], cfg, run.stage_dir(k), run.stage_checkpoint(k), pad_id,
+    model, stats = train_stage(model, samples, cfg, run.stage_dir(k), run.stage_checkpoint(k), pad_id,
                                seed=cfg.optim.seed + k)
     model.eval()
     autocast = precision(cfg).startswith("bf16")
-    train_rows = _gather_scores(run, k, "train", _score(model, train, pad_id, autocast), len(train))
-    held_rows = _gather_scores(run, k, "heldout", _score(model, held, pad_id, autocast), len(held))
+    train_agree, train_ranks = _score(model, train, pad_id, autocast)
+    held_agree_part, held_ranks_part = _score(model, held, pad_id, autocast)
+    train_rows = _gather_scores(run, k, "train", train_agree, len(train))
+    held_rows = _gather_scores(run, k, "heldout", held_agree_part, len(held))
+    train_ranks_k = _gather_scores(run, k, "ranks-train", train_ranks, len(train))
+    held_ranks = [_stage_ranks(cfg, run, j, "heldout", held, pad_id) for j in range(1, k)]
+    held_ranks.append(_gather_scores(run, k, "ranks-heldout", held_ranks_part, len(held)))
     m = cfg.boost.match
     train_match = [is_match(r, m) for r in train_rows]
     held_match = [is_match(r, m) for r in held_rows]
-    pool_after = unmatched(pool, train_match)
+    sample_cov = sample_union_coverage([*earlier_train, train_ranks_k], kc) if cfg.boost.mode == "quantile" else None
+    pool_after = next_pool(cfg.boost, pool, train_match, sample_cov)
     earlier = [json.loads(run.stage_match(j).read_text())["heldout_matched"] for j in range(1, k)]
     ensemble = [any(x) for x in zip(held_match, *earlier, strict=True)] if held else []
     match = {"pool": pool, "pool_after": pool_after, "pool_after_size": len(pool_after),
@@ -478,8 +565,11 @@ def run_stage(cfg: TrainConfig, run: RunDir, k: int, init_dir: Path, tokenizer, 
         "heldout_top1": held_agree["top1"], "heldout_mean_prefix": held_agree["mean_prefix"],
         "train_top1": summarize_agreement([train_rows[i] for i in pool])["top1"],
         "acceptance_profile": acceptance_profile(held_rows),
+        **coverage_fields(held_ranks, kc),
         **stats, "stage_seconds": time.perf_counter() - t0,
     }
+    if covered_before is not None:
+        summary["train_covered_before"] = covered_before  # share of the pool's tokens weighted covered_weight
     if dist.is_main():
         atomic_write_json(run.stage_match(k), match)
         _save_ssm(model, tokenizer, out, summary)
@@ -618,7 +708,8 @@ def boost_phase(cfg: TrainConfig, run: RunDir, data: TeacherData, init_dir: Path
             write_report(cfg, run, data, stages)
         s = stages[-1]
         _log(f"stage {k}: pool {s['pool_before']} -> {s['pool_after']}, match {s['match_rate']:.3f}, "
-             f"held-out top-1 {s['heldout_top1']:.3f}, ensemble held-out match {s['ensemble_match_rate']:.3f}")
+             f"held-out top-1 {s['heldout_top1']:.3f}, ensemble held-out match {s['ensemble_match_rate']:.3f}, "
+             f"top-{s['coverage_k']} coverage {s['heldout_coverage']:.3f}, union {s['union_coverage']:.3f}")
     return stages
 
 

@@ -1,0 +1,152 @@
+"""Top-k coverage of the LLM's tokens by drafters and their union (boosttune/train/coverage.py), against
+numbers worked out by hand; the pool and weights boosting derives from them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from boosttune.core.ranks import NOT_DRAFTABLE
+from boosttune.train.coverage import (
+    coverage,
+    coverage_summary,
+    remove_best_covered,
+    sample_union_coverage,
+    token_weights,
+    union_coverage,
+    union_rank_rows,
+)
+
+# Three drafters, six positions. With k = 2 (rank 0 or 1 covers):
+#   A covers positions 0, 1, 2      -> 3/6
+#   B covers positions 2, 3         -> 2/6 (position 5 is outside its draft vocabulary)
+#   C covers position 0             -> 1/6
+#   union covers 0, 1, 2, 3         -> 4/6; best single A 3/6; gain 1/6
+# top-1 (rank 0): A at 0 and 2, B at 3, C none; union 0, 2, 3 -> 3/6
+RANKS = [[0, 1, 0, 5, 9, 2],
+         [4, 3, 1, 0, 7, NOT_DRAFTABLE],
+         [1, 2, 2, 6, 3, 8]]
+
+
+def test_coverage_and_union_by_hand() -> None:
+    np.testing.assert_allclose(coverage(RANKS, 2), [3 / 6, 2 / 6, 1 / 6])
+    np.testing.assert_allclose(coverage(RANKS, 1), [2 / 6, 1 / 6, 0])
+    assert union_coverage(RANKS, 2) == pytest.approx(4 / 6)
+    assert union_coverage(RANKS, 1) == pytest.approx(3 / 6)
+    s = coverage_summary(torch.tensor(RANKS), 2)  # tensors work as arrays do
+    assert s["topk"] == pytest.approx([3 / 6, 2 / 6, 1 / 6]) and s["top1"] == pytest.approx([2 / 6, 1 / 6, 0])
+    assert s["union_topk"] == pytest.approx(4 / 6) and s["union_top1"] == pytest.approx(3 / 6)
+    assert s["best_single_topk"] == pytest.approx(3 / 6) and s["union_gain"] == pytest.approx(1 / 6)
+    assert s["k"] == 2 and s["tokens"] == 6
+    # a drafter that misses what another misses adds nothing; a large k covers all but the undraftable
+    assert union_coverage([RANKS[0], RANKS[0]], 2) == pytest.approx(coverage(RANKS, 2)[0])
+    assert union_coverage([RANKS[1]], 10**6) == pytest.approx(5 / 6)
+    with pytest.raises(ValueError, match="ranks"):
+        coverage([0, 1], 1)
+
+
+def test_per_sample_union_coverage_and_union_ranks() -> None:
+    # two samples (lengths 2 and 4) cut from RANKS's first two drafters
+    rows = [[r[:2], r[2:]] for r in RANKS[:2]]
+    # sample 0: A covers both -> 1; sample 1: positions 2, 3 covered of 2..5 -> 2/4
+    assert sample_union_coverage(rows, 2) == pytest.approx([1.0, 0.5])
+    assert union_rank_rows(rows) == [[0, 1], [0, 0, 7, 2]]
+
+
+def test_quantile_pool_removes_the_best_covered_share() -> None:
+    cov = {0: 0.9, 1: 0.1, 2: 0.5, 3: 0.5, 4: 0.8, 5: 0.0, 6: 0.3}  # sample index -> union coverage
+    pool = [6, 1, 2, 3, 4, 0]
+    # half of 6 leave: the best covered 0 (.9), 4 (.8), then 2 of the tie 2/3 (lower index first)
+    assert remove_best_covered(pool, cov, 0.5) == [6, 1, 3]
+    # 0.25 of 6 = 1.5, rounded half up: 2 leave
+    assert remove_best_covered(pool, cov, 0.25) == [6, 1, 2, 3]
+    assert remove_best_covered([5], cov, 0.4) == [5]  # 0.4 of one rounds to none
+    assert remove_best_covered([], cov, 0.5) == []
+
+
+def test_token_weights_count_covered_tokens_less() -> None:
+    assert token_weights([[0, 3, 1], [NOT_DRAFTABLE]], 2, 0.1) == [[0.1, 1.0, 0.1], [1.0]]
+
+
+def test_coverage_by_category_groups_answers() -> None:
+    from boosttune.train.coverage import coverage_by_category
+
+    # two drafters, three answers: RANKS cut into [0:2] (math), [2:3] (writing), [3:6] (math)
+    ranks = [[np.asarray(r[:2]), np.asarray(r[2:3]), np.asarray(r[3:])] for r in RANKS[:2]]
+    table = coverage_by_category(ranks, ["math", "writing", "math"], 2)
+    assert list(table) == ["all", "math", "writing"]
+    assert table["all"]["union_topk"] == pytest.approx(union_coverage(RANKS[:2], 2))
+    # math = positions 0, 1, 3, 4, 5: A covers 0, 1; B covers 3; union 3/5
+    assert table["math"]["answers"] == 2 and table["math"]["tokens"] == 5
+    assert table["math"]["topk"] == pytest.approx([2 / 5, 1 / 5]) and table["math"]["union_topk"] == pytest.approx(3 / 5)
+    assert table["writing"]["topk"] == pytest.approx([1.0, 1.0]) and table["writing"]["union_gain"] == 0
+
+
+# ------------------------------------------------------------------------------ scripts/coverage.py
+def _coverage_script():
+    """scripts/coverage.py (not a package), loaded from its file."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "coverage.py"
+    spec = importlib.util.spec_from_file_location("coverage_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_coverage_script_on_a_run_and_its_bundle(tmp_path, capsys) -> None:
+    """The tiny fixtures' two SSMs (noisy copies of the LLM) on four MT-bench questions: a table per
+    category, the same figures from the run and from its bundle, and the JSON the table prints."""
+    import json
+
+    from bundle_fixtures import make_run_dir
+    from conftest import MT_BENCH
+
+    from boosttune.export.bundle import export_bundle
+
+    torch.set_num_threads(1)
+    run = make_run_dir(tmp_path / "run", n_ssms=2, scheduler=False)
+    bundle = export_bundle(run, tmp_path / "bundle").bundle
+    script = _coverage_script()
+    figures = {}
+    for name, source in (("run", run), ("bundle", bundle)):
+        out = tmp_path / f"{name}.json"
+        assert script.main([str(source), "--questions", str(MT_BENCH), "--limit", "4", "--max-new-tokens", "8",
+                            "--top", "2", "--json", str(out)]) == 0
+        text = capsys.readouterr().out
+        figures[name] = json.loads(out.read_text())
+        table = figures[name]["categories"]
+        assert figures[name]["drafters"] == ["ssm-1", "ssm-2"] and figures[name]["k"] == 2
+        questions = [json.loads(x) for x in MT_BENCH.read_text().splitlines()[:4]]
+        assert set(table) == {"all"} | {q["category"] for q in questions}
+        assert table["all"]["answers"] == 4 and table["all"]["tokens"] > 0
+        for s in table.values():
+            assert max(s["topk"]) <= s["union_topk"] <= 1 and s["union_gain"] >= 0
+            assert all(a <= b for a, b in zip(s["top1"], s["topk"], strict=True))
+        assert "| all | **union** |" in text and f"{table['all']['union_topk']:.3f}" in text
+    assert figures["run"]["categories"] == figures["bundle"]["categories"]
+
+
+def test_coverage_script_reads_answers_from_a_bench_output(tmp_path, capsys) -> None:
+    import json
+
+    from bundle_fixtures import make_run_dir
+    from conftest import MT_BENCH
+
+    torch.set_num_threads(1)
+    run = make_run_dir(tmp_path / "run", n_ssms=1, scheduler=False, ranking=False)
+    questions = [json.loads(x) for x in MT_BENCH.read_text().splitlines()[:2]]
+    answers = tmp_path / "ours.jsonl"
+    answers.write_text("".join(json.dumps({"question_id": q["question_id"], "choices": [{"turns": ["Paris is nice."]}]})
+                               + "\n" for q in questions))
+    script = _coverage_script()
+    out = tmp_path / "c.json"
+    assert script.main([str(run), "--questions", str(MT_BENCH), "--limit", "2", "--answers", str(answers),
+                        "--json", str(out)]) == 0
+    table = json.loads(out.read_text())
+    assert table["k"] == 1  # the run's tree's first width (bundle_fixtures.TREE)
+    n = len(script.load_drafters(run, None)[0].tokenizer("Paris is nice.", add_special_tokens=False)["input_ids"])
+    assert table["categories"]["all"]["tokens"] == 2 * n
+    capsys.readouterr()
