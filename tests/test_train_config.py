@@ -76,7 +76,7 @@ def test_deepspeed_json_disagreeing_is_refused(tmp_path: Path) -> None:
         (["optim.max_steps=ten"], "optim.max_steps: expected an integer"),
         (["optim.max_steps=1.5"], "optim.max_steps: expected an integer"),
         (["optim.lr=fast"], "optim.lr: expected a number"),
-        (["boost.mode=bagging"], "boost.mode: must be one of 'boost', 'independent'"),
+        (["boost.mode=bagging"], "boost.mode: must be one of 'match', 'quantile', 'weighted', 'independent'"),
         (["boost.num_ssms=0"], "boost.num_ssms: must be >= 1"),
         (["boost.match.fraction=1.5"], "boost.match.fraction: must be in"),
         (["prompts.sources=[{kind: jsonl, path: /no/such/file.jsonl}]"], r"prompts.sources\[0\].path: file not found"),
