@@ -155,3 +155,41 @@ def test_disk_full_in_lightnings_checkpointing_names_the_runs_checkpoint(tmp_pat
     one_line(e.value, ckpt)
     assert resume_checkpoint(ckpt) == ckpt and ckpt.read_bytes() == whole
 
+
+def test_every_ddp_ranks_rng_state_is_saved_and_restored_by_rank(monkeypatch) -> None:
+    """Dropout draws from each rank's own RNG: the checkpoint (rank 0's file) holds every rank's state,
+    and a resumed rank continues its own stream, not rank 0's."""
+    import torch.distributed as tdist
+
+    from boosttune.config import OptimConfig
+    from boosttune.train import distill
+
+    torch.manual_seed(0)
+    rank0 = distill.rng_state()
+    torch.manual_seed(1)
+    rank1 = distill.rng_state()
+    expected = torch.rand(4)  # rank 1's next draws
+
+    # two ranks: this process is rank 1; the collective hands back rank 0's state beside ours
+    monkeypatch.setattr(tdist, "is_initialized", lambda: True)
+    monkeypatch.setattr(tdist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(tdist, "get_rank", lambda group=None: 1)
+
+    def all_gather_object(out: list, obj) -> None:
+        out[:] = [rank0, obj]
+
+    monkeypatch.setattr(tdist, "all_gather_object", all_gather_object)
+    saved = distill.gather_rng_states(rank1)
+    assert torch.equal(saved[0]["torch"], rank0["torch"]) and torch.equal(saved[1]["torch"], rank1["torch"])
+
+    module = distill.DistillModule(tiny_llama(0), OptimConfig())
+    torch.manual_seed(123)  # the resumed process starts elsewhere
+    module.on_load_checkpoint({"global_step": 4, "rng": rank0, "rng_per_rank": saved})
+    assert torch.equal(torch.rand(4), expected)
+
+    monkeypatch.setattr(tdist, "get_rank", lambda group=None: 0)
+    module.on_load_checkpoint({"global_step": 4, "rng": rank0, "rng_per_rank": saved})
+    torch.set_rng_state(rank0["torch"])
+    first = torch.rand(4)
+    module.on_load_checkpoint({"global_step": 4, "rng": rank0})  # a checkpoint from before: rank 0's
+    assert torch.equal(torch.rand(4), first)
