@@ -411,7 +411,7 @@ def test_feature_head_trains_after_the_ssms_and_is_evaluated(tmp_path: Path) -> 
     labels = [json.loads(x) for x in (run / "scheduler_labels.jsonl").read_text().splitlines()]
     assert len(labels) == 6 and all(len(r["accepts"][0]) == 3 for r in labels)  # ssm-1, feature, prompt lookup
     res = export_bundle(run, tmp_path / "sched-bundle")
-    assert [s.name for s in res.manifest.ssms] == ["ssm-1", "feature"]
+    assert [s.name for s in res.manifest.models] == ["ssm-1", "feature"]
     served = load(bundle=tmp_path / "sched-bundle")
     assert served.scheduler is not None and "feature" in served.scheduler.drafters
     out = served.generate([1, 2, 3, 4, 5], stop)
