@@ -154,7 +154,12 @@ class BenchConfig:
             raise ValueError("the 'llama_draft' method needs --draft-gguf PATH (a draft model's GGUF: "
                              "`boosttune export RUN --format gguf` writes one; the LLM's own GGUF works for a test)")
         binary = llama_cpp.find_server(self.llama_server)
-        gguf = llama_cpp.resolve_llm_gguf(self.llm_gguf, self.llm, self.bundle)
+        bundle_llm = None
+        if self.bundle is not None:
+            from boosttune.serving.manifest import read_manifest
+
+            bundle_llm = read_manifest(self.bundle).llm.ref
+        gguf = llama_cpp.resolve_llm_gguf(self.llm_gguf, self.llm, bundle_llm)
         draft = llama_cpp.check_gguf(self.draft_gguf, "--draft-gguf") if self.draft_gguf is not None else None
         return binary, gguf, draft
 

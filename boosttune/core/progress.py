@@ -38,6 +38,7 @@ class LineProgress:
         self.postfix: dict[str, Any] = {}
         self.start = self.last = time.monotonic()
         self.closed = False
+        self._written: int | None = None  # the count of the last line written
 
     def __iter__(self) -> Iterator:
         assert self.iterable is not None
@@ -55,6 +56,8 @@ class LineProgress:
     def update(self, n: int = 1) -> None:
         self.n += n
         now = time.monotonic()
+        if self.total is not None and self.n >= self.total:
+            return  # the closing line gives the final count
         if now - self.last >= self.interval:
             self.last = now
             self._write(now)
@@ -63,9 +66,16 @@ class LineProgress:
         self.postfix.update(kw)
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._write(time.monotonic(), done=True)
+        """Write the closing line, once; it repeats no count a line already gave (an unknown total's last
+        update may have been written just before)."""
+        if self.closed:
+            return
+        self.closed = True
+        now = time.monotonic()
+        if self._written == self.n:
+            print(f"[boosttune] {self.desc}: done, elapsed {_duration(now - self.start)}", file=self.file, flush=True)
+        else:
+            self._write(now, done=True)
 
     def line(self, now: float, done: bool = False) -> str:
         elapsed = now - self.start
@@ -82,6 +92,7 @@ class LineProgress:
         return text + (" (done)" if done else "")
 
     def _write(self, now: float, done: bool = False) -> None:
+        self._written = self.n
         print(self.line(now, done), file=self.file, flush=True)
 
 

@@ -248,10 +248,11 @@ class DistillModule(L.LightningModule):
         checkpoint["tokens_seen"] = self.tokens_seen
         checkpoint["train_seconds"] = self.train_seconds()
         checkpoint["train_loss"] = self.last_loss()
-        # Dropout (e.g. lora.dropout) draws from the global RNG: a resumed stage continues its stream.
-        # Exact in one process; under DDP every rank continues rank 0's (the checkpoint is rank 0's).
-        checkpoint["rng"] = {"torch": torch.get_rng_state(),
-                             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+        # Dropout (e.g. lora.dropout) draws from the global RNG: a resumed stage continues its stream. Each
+        # DDP rank draws its own, and the file is rank 0's: every rank's state goes into it (this hook runs on
+        # every rank when Lightning saves), and each rank takes its own back.
+        checkpoint["rng"] = rng_state()
+        checkpoint["rng_per_rank"] = gather_rng_states(checkpoint["rng"])
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # Lightning hands over the checkpoint it loads to resume: read the step here instead of
@@ -261,8 +262,41 @@ class DistillModule(L.LightningModule):
         self.seconds_before = float(checkpoint.get("train_seconds", 0.0))
         loss = checkpoint.get("train_loss")
         self.restored_loss = float(loss) if loss is not None else None
-        rng = checkpoint.get("rng")
+        per_rank = checkpoint.get("rng_per_rank")
+        rank, world = _rank_and_world()
+        # a checkpoint of another world size (or from before per-rank states): rank 0's, as before
+        rng = per_rank[rank] if per_rank is not None and len(per_rank) == world else checkpoint.get("rng")
         if rng is not None:
-            torch.set_rng_state(rng["torch"])
-            if rng["cuda"] and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
-                torch.cuda.set_rng_state_all(rng["cuda"])
+            set_rng_state(rng)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    import torch.distributed as tdist
+
+    if tdist.is_available() and tdist.is_initialized():
+        return tdist.get_rank(), tdist.get_world_size()
+    return 0, 1
+
+
+def rng_state() -> dict:
+    """This process's torch RNG states (CPU, and every CUDA device's)."""
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(rng: dict) -> None:
+    """Restore what :func:`rng_state` returned (CUDA states only onto as many devices)."""
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def gather_rng_states(mine: dict) -> list[dict]:
+    """Every rank's :func:`rng_state`, by rank (a collective: every rank calls it; one process: ``[mine]``)."""
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
+        return [mine]
+    out: list = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, mine)
+    return out

@@ -41,7 +41,14 @@ from boosttune.config import (
     load_config,
     to_dict,
 )
-from boosttune.core.files import MARKER, atomic_write_json, atomic_write_text, is_complete, mark_complete
+from boosttune.core.files import (
+    MARKER,
+    atomic_write_json,
+    atomic_write_text,
+    is_complete,
+    mark_complete,
+    writing,
+)
 from boosttune.core.kind_file import declare_kind
 from boosttune.core.models import (
     LoadedModel,
@@ -304,8 +311,9 @@ def read_prompts_file(run: RunDir) -> list[TrainPrompt]:
 # ------------------------------------------------------------------------------------------ teacher
 def teacher_phase(cfg: TrainConfig, run: RunDir, llm, prompts: list[TrainPrompt]) -> dict:
     llm.model.config._attn_implementation = cfg.teacher.attn_implementation
-    stats = run_teacher(llm.model, llm.tokenizer, prompts, cfg.teacher, run, eos_token_ids(llm),
-                        rank=dist.rank(), world=dist.world_size(), seed=cfg.optim.seed, features=cfg.feature.enabled)
+    with writing(run.teacher_dir):  # a shard's safetensors failing on a full disk names the shards' directory
+        stats = run_teacher(llm.model, llm.tokenizer, prompts, cfg.teacher, run, eos_token_ids(llm), rank=dist.rank(),
+                            world=dist.world_size(), seed=cfg.optim.seed, features=cfg.feature.enabled)
     if stats["tokens"]:
         path = run.teacher_stats(dist.rank())
         old = json.loads(path.read_text()) if path.exists() else {"tokens": 0, "seconds": 0.0}
@@ -589,18 +597,21 @@ def _publish_model(model, tokenizer, out: Path, marker: dict, stats: dict | None
                    save: Callable[[Path], None] | None = None, kind: str | None = None) -> None:
     """Save model + tokenizer (+ stats.json) in a temporary sibling, mark it complete, rename it to
     ``out``; ``save`` writes the model (default ``model.save_pretrained``); ``kind``: the drafter kind
-    the directory declares (``core/kind_file.py``; None for the SSMs' starting point)."""
+    the directory declares (``core/kind_file.py``; None for the SSMs' starting point). A failed write (a
+    full disk inside safetensors included) is an OSError naming ``out``; the half-written sibling has no
+    marker and is removed by the next attempt."""
     tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    (save or model.save_pretrained)(tmp)
-    tokenizer.save_pretrained(tmp)
-    if kind is not None:
-        declare_kind(tmp, kind)
-    if stats is not None:
-        atomic_write_json(tmp / "stats.json", stats)
-    mark_complete(tmp, marker)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    with writing(out):
+        shutil.rmtree(tmp, ignore_errors=True)
+        (save or model.save_pretrained)(tmp)
+        tokenizer.save_pretrained(tmp)
+        if kind is not None:
+            declare_kind(tmp, kind)
+        if stats is not None:
+            atomic_write_json(tmp / "stats.json", stats)
+        mark_complete(tmp, marker)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
 
 
 def finished_feature(cfg: TrainConfig, run: RunDir) -> dict | None:

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from boosttune.config import TrainConfig
+from boosttune.core.files import writing
 from boosttune.core.models import native_bf16
 from boosttune.train import dist
 from boosttune.train.distill import BatchDataset, BatchOrder, DistillModule, Sample
@@ -38,14 +39,15 @@ class AtomicCheckpoint(L.Callback):
         if trainer.is_global_zero and tmp.exists():
             shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
         trainer.strategy.barrier("atomic-ckpt-clean")
-        trainer.save_checkpoint(str(tmp))  # collective under DeepSpeed; ends with a barrier
-        if trainer.is_global_zero:
-            old = self.path.with_name(f".{self.path.name}.old")
-            if self.path.exists():
-                os.replace(self.path, old) if not self.path.is_dir() else self.path.rename(old)
-            os.replace(tmp, self.path) if not tmp.is_dir() else tmp.rename(self.path)
-            if old.exists():
-                shutil.rmtree(old) if old.is_dir() else old.unlink()
+        with writing(self.path):  # a full disk names the run's checkpoint, not Lightning's temporary file
+            trainer.save_checkpoint(str(tmp))  # collective under DeepSpeed; ends with a barrier
+            if trainer.is_global_zero:
+                old = self.path.with_name(f".{self.path.name}.old")
+                if self.path.exists():
+                    os.replace(self.path, old) if not self.path.is_dir() else self.path.rename(old)
+                os.replace(tmp, self.path) if not tmp.is_dir() else tmp.rename(self.path)
+                if old.exists():
+                    shutil.rmtree(old) if old.is_dir() else old.unlink()
         trainer.strategy.barrier("atomic-ckpt-done")
         self._saved_step = step
         crash_point("checkpoint")

@@ -7,11 +7,17 @@ Writes::
     RUN_DIR/scheduler_report.json        every policy's τ, tokens/s and draft cost on eval requests
     RUN_DIR/scheduler_report.png         tokens/s by policy
     RUN_DIR/scheduler_labels.jsonl       the labelled requests (features, per-step acceptances)
+    RUN_DIR/scheduler_costs.json         the measured cost table, with what it was measured for
 
 Steps: load the run's LLM and SSMs (and its feature head, ``scheduler.feature_head``); label the train and eval prompts (every SSM merged at the
 label depth, full information); time every (SSM, depth) and plain decoding (cost model); fit the
 acceptance model on the train requests; replay every policy on the eval requests and run the
 ``real_policies`` through the engine, interleaved per request.
+
+Costs are wall-clock timings, so two measurements differ and so may the choices fitted on them: the
+table is saved as soon as it is measured, and a later fit with the same settings (a resumed
+`boosttune train` whose scheduler was interrupted, or a retrain) uses that first table instead of
+timing again. The report says which (``costs.reused``); delete scheduler_costs.json to time again.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from boosttune.core.files import MARKER, atomic_write_json, atomic_write_text, i
 from boosttune.core.models import LoadedModel, eos_token_ids, load_llm_and_ssms, load_ssms, parse_dtype
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.core.rundir import RunDir
+from boosttune.scheduler.costs import CostModel
 from boosttune.scheduler.features import FeatureSpec
 from boosttune.scheduler.model import MIN_FIT_REQUESTS, fit_linear
 from boosttune.scheduler.offline.calibrate import calibrate
@@ -134,6 +141,24 @@ def finished_scheduler(run: RunDir, cfg: SchedulerConfig, models: RunModels) -> 
     if json.loads(marker.read_text()).get("settings") != scheduler_settings(run, cfg, models):
         return None
     return json.loads(run.scheduler_report.read_text())
+
+
+COSTS_FILE = "scheduler_costs.json"
+"""The measured cost table in the run directory (beside scheduler_report.json)."""
+
+
+def _costs_key(run: RunDir, cfg: SchedulerConfig, models: RunModels) -> dict:
+    """What a cost table was measured for: the scheduler's settings and the threads timing ran with."""
+    return {**scheduler_settings(run, cfg, models), "threads": torch.get_num_threads()}
+
+
+def saved_costs(run: RunDir, key: dict) -> CostModel | None:
+    """The cost table an earlier fit measured for ``key`` (None: none, another, or an unreadable file)."""
+    try:
+        saved = json.loads((run.root / COSTS_FILE).read_text())
+        return CostModel.from_json(saved["costs"]) if saved.get("key") == key else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 @dataclass
@@ -249,20 +274,28 @@ def train_scheduler(
             st.engine, st.eval_req, st.stop, cfg.chat, st.spec, lambda i, _: tick(len(st.train_req) + i)
         )
     with _timed(clock, "calibration_s"):
-        say(
-            f"timing {len(st.names)} drafters x {len(cfg.depths)} depths and plain decoding "
-            f"on {cfg.calib_prompts} prompts"
-        )
-        merged = [(r.result, r.prompt_tokens) for r in train_rec if r.result is not None]
-        costs = calibrate(
-            st.engine,
-            [ids for _, ids in st.train_req[: cfg.calib_prompts]],
-            st.widths,
-            cfg.depths,
-            cfg.calib_tokens,
-            merged_runs=merged,
-            draft_vocab=cfg.draft_vocab,
-        )
+        key = _costs_key(run, cfg, models)
+        costs = saved_costs(run, key)
+        reused = costs is not None
+        if reused:
+            say(f"costs: the table measured before, {run.root / COSTS_FILE} (the same settings; delete it to time again)")
+        else:
+            say(
+                f"timing {len(st.names)} drafters x {len(cfg.depths)} depths and plain decoding "
+                f"on {cfg.calib_prompts} prompts"
+            )
+            merged = [(r.result, r.prompt_tokens) for r in train_rec if r.result is not None]
+            costs = calibrate(
+                st.engine,
+                [ids for _, ids in st.train_req[: cfg.calib_prompts]],
+                st.widths,
+                cfg.depths,
+                cfg.calib_tokens,
+                merged_runs=merged,
+                draft_vocab=cfg.draft_vocab,
+            )
+            atomic_write_json(run.root / COSTS_FILE, {"key": key, "costs": costs.to_json(), "measured": time.time()})
+            costs = CostModel.from_json(costs.to_json())  # as a later fit reads it: both fit on the same numbers
     with _timed(clock, "fit_s"):
         scheduler = fit_scheduler(train_rec, costs, st.spec, st.widths, cfg, st.names)
         scheduler.meta.update({**st.meta, "created": time.time()})
@@ -284,6 +317,7 @@ def train_scheduler(
             _ticker(say, len(st.eval_req), "evaluated"),
         )
     out = build_report(run, cfg, scheduler, fixed, replayed, real, choices, train_rec, eval_rec, clock)
+    out["costs"] = {"file": COSTS_FILE, "reused": reused}  # reused: measured by an earlier, interrupted fit
     _write_labels(run.scheduler_labels, train_rec, eval_rec)
     atomic_write_json(run.scheduler_report, out)
     plot_tokens_per_s(out, run.scheduler_plot)
