@@ -256,7 +256,7 @@ def migrate_v1(data: dict) -> dict:
             weights = raw.get("weights") if isinstance(raw.get("weights"), list) else []
             if not feature and isinstance(d, str) and (f"{d}/{FC_MARKER}" in files or f"{d}/{FC_MARKER}" in weights):
                 # a head's projection without its marker: serving it as a plain SSM would drop the
-                # projection and silently draft worse (issue 36)
+                # projection and silently draft worse
                 raise BundleError(f"{_where(f'ssms[{i}]')}: {d}/{FC_MARKER} is listed without {d}/{FEATURE_MARKER}; "
                                   "a feature head needs both: re-export the bundle")
             raw = {**raw, "kind": "feature" if feature else "ssm", "tree": tree}

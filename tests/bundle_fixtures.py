@@ -38,7 +38,7 @@ def make_run_dir(root: Path, n_ssms: int = 2, scheduler: bool = False, ranking: 
     """Write a run directory with ``n_ssms`` complete SSMs under ``root``; returns ``root``.
     With ``ranking``, the draft vocabulary ranking counted over the LLM's greedy continuations; with
     ``scheduler`` (two SSMs), a scheduler directory: scheduler.json, a file beside it and a hidden
-    temporary (a bundle's scheduler directory must hold its scheduler.json: issue 36)."""
+    temporary (a bundle's scheduler directory must hold its scheduler.json)."""
     llm = load_model(TINY_LLM)
     run = RunDir(root)
     if ranking:

@@ -524,7 +524,7 @@ def test_export_ships_what_the_run_measured_fastest_unless_told(tmp_path, capsys
         export_bundle(run, tmp_path / "broken")
 
 
-# -- Issue 36: every file checked against what its kind needs and against the limits, before anything
+# -- Every file checked against what its kind needs and against the limits, before anything
 # is allocated; each refusal one line naming the file (or the manifest field).
 
 HEAD = "ssms/ssm-2"
@@ -709,7 +709,7 @@ def _scheduler_huge_widths(root: Path) -> str:
     _scheduler_wrong_type, _scheduler_huge_widths,
 ])
 def test_bundles_that_would_not_serve_as_trained_are_refused_in_one_line(copy, damage):
-    """Issue 36: each of these crashed with a traceback, allocated without bound, or loaded silently
+    """Each of these once crashed with a traceback, allocated without bound, or loaded silently
     degraded (random or dropped layers, a head served as a plain SSM, no scheduler). Now loading (and
     assembling what it serves, which reads the scheduler) refuses it with one line naming the file."""
     from boosttune.assemble import from_bundle

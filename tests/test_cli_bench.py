@@ -280,7 +280,7 @@ def test_head_acceptance_walks_steps_of_one_or_two_tokens():
     ("--draft-vocab", "-1"),
 ])
 def test_generate_refuses_flags_beyond_the_bundle_limits_naming_the_flag(flag, value, capsys):
-    """Issue 36: the flags are checked against the limits a bundle is (serving/tree.py), before any model
+    """The flags are checked against the limits a bundle is (serving/tree.py), before any model
     loads: one line naming the flag, exit code 2."""
     with pytest.raises(SystemExit) as e:
         main(["generate", "Hello", "--llm", "default", flag, value])
