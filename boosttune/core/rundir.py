@@ -11,9 +11,13 @@ Layout (everything a run makes; resuming trusts only what is complete)::
                                   (serving/draft_vocab.py), for SSMs drafting over a cut vocabulary
       ssm-init/                   the SSMs' common starting weights; complete.json written last
       stages/stage-K/             work dir of boost-tuning stage K: checkpoints/last.ckpt, logs,
-                                  match.json (pool and match flags), summary.json, NAME-rankRRR.json scores
+                                  match.json (pool and match flags), summary.json, NAME-rankRRR.json scores,
+                                  ranks-{train,heldout}-rankRRR.json (ranks for the coverage figures)
       ssms/ssm-K/                 trained SSM K: HF save_pretrained (config.json, model.safetensors,
-                                  tokenizer files) + stats.json; complete.json written last
+                                  tokenizer files) + stats.json + drafter.json (its kind,
+                                  core/kind_file.py); complete.json written last
+      ssms/feature/               the feature head (core/feature_head.py), laid out as an SSM, plus
+                                  feature_head.json and feature_fc.safetensors
       report.json                 run report: llm, tree, teacher, one entry per stage, feature head,
                                   evaluation, scheduler; written when the run ends (and after each
                                   newly trained stage, so that a killed run lists the SSMs it finished)
@@ -21,6 +25,7 @@ Layout (everything a run makes; resuming trusts only what is complete)::
                                   records the settings the scheduler was fitted with)
       scheduler_report.json/.png  every policy's τ and tokens/s on the evaluation requests
       scheduler_labels.jsonl      the labelled requests the scheduler was fitted on
+      scheduler_costs.json        the measured cost table, reused by a later fit with the same settings
 
 ``report.json`` (format 1)::
 
@@ -28,8 +33,9 @@ Layout (everything a run makes; resuming trusts only what is complete)::
      "llm": {"ref": str, "path": str, "dtype": str},
      "tree": {TreeConfig fields},
      "teacher": {...},
-     "stages": [{"stage": K, "ssm_dir": "ssms/ssm-K", "pool_before": int, "pool_after": int,
-                 "match_rate": float, "ensemble_match_rate": float, "train_loss": float, ...}],
+     "stages": [{"stage": K, "ssm_dir": "ssms/ssm-K", "mode": str, "pool_before": int, "pool_after": int,
+                 "match_rate": float, "ensemble_match_rate": float, "train_loss": float,
+                 "union_coverage": float, "ssm_coverages": [float], ...}],
      "feature": {...} | null,
      "evaluation": {...} | null,
      "scheduler": {...}}          only when `boosttune train` fitted one: scheduler_report.json's content
