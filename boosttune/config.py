@@ -218,6 +218,8 @@ class BoostConfig:
 
 
 FeatureLoss = Literal["kl", "ce", "tv", "kl+tv"]
+HeadBoost = Literal["weighted", "independent"]
+MAX_FEATURE_HEADS = 8
 """``feature.loss``'s names (``train/feature.py`` ``classification_loss``)."""
 
 
@@ -252,6 +254,13 @@ class FeatureConfig:
             ``tv`` total variation (one minus speculative sampling's acceptance), ``kl+tv`` both.
             ``kl`` guessed best on MT-bench (5-minute demo heads on 96.8k teacher tokens: top-1 0.343
             against 0.298 / 0.319 / 0.331; README, *The classification loss*).
+        heads: how many feature heads to train (``ssms/feature``, then ``ssms/feature-2`` ...), each for
+            ``minutes``; a bundle serves them merged into one tree, as it merges SSMs.
+        boost: what head k > 1 trains on: ``weighted`` (collective boost-tuning for heads: each answer
+            token's cross-entropy weighted ``covered_weight`` where heads 1..k-1 already rank the LLM's
+            token among their first ``boost.top_k`` candidates (else the tree's first width), 1 where
+            none does) or ``independent`` (the same data, another seed: the ablation).
+        covered_weight: ``weighted``: the loss weight of a token the earlier heads cover (0: ignored).
     """
 
     enabled: bool = False
@@ -268,8 +277,17 @@ class FeatureConfig:
     prompt_weight: float = 0.0
     weight_decay: float = 0.0
     loss: FeatureLoss = "kl"
+    heads: int = 1
+    boost: HeadBoost = "weighted"
+    covered_weight: float = 0.1
 
     def __post_init__(self) -> None:
+        if self.heads < 1 or self.heads > MAX_FEATURE_HEADS:
+            raise ValueError(f"feature.heads must be 1..{MAX_FEATURE_HEADS}, got {self.heads}")
+        if self.boost not in typing.get_args(HeadBoost):
+            raise ValueError(f"feature.boost must be one of {typing.get_args(HeadBoost)}, got {self.boost!r}")
+        if not 0 <= self.covered_weight <= 1:
+            raise ValueError(f"feature.covered_weight must be in [0, 1] (1: no boosting), got {self.covered_weight}")
         if not self.layers:
             raise ValueError("feature.layers must name at least one LLM layer, e.g. [-1]")
         if self.minutes < 0 or self.max_steps < 0 or (self.enabled and not self.minutes and not self.max_steps):

@@ -65,7 +65,7 @@ def load_drafters(source: Path, llm_ref: str | None) -> tuple[LoadedModel, list[
     run = RunDir(source)
     report = run.read_report()
     llm = load_model(llm_ref or str(run.llm_dir()), dtype=torch.float32)
-    dirs = run.ssm_dirs() + ([run.feature_dir] if (run.feature_dir / "complete.json").is_file() else [])
+    dirs = run.ssm_dirs() + run.feature_dirs()
     if not dirs:
         raise SystemExit(f"{source}: no finished drafter (ssms/ssm-K or ssms/feature)")
     loaded = load_ssms(llm, dirs, torch.float32)

@@ -235,3 +235,64 @@ def test_classification_losses_are_what_they_say():
         classification_loss(pred, p, "js")
     with pytest.raises(ValueError, match="loss"):
         from_dict(TrainConfig, {"feature": {"loss": "js"}})
+
+
+def test_pair_weights_put_each_answer_weight_on_the_pair_that_guesses_it():
+    """Answer token t is guessed by pair ``prompt_len + t - 2`` (:func:`teacher_forced_ranks`); every other
+    pair (the prompt's, and an answer token the sample has no pair for) keeps weight 1."""
+    from boosttune.train.feature import pair_weights
+
+    s = Sample([5, 6, 7, 8, 9, 10], 3)  # answer tokens 8, 9, 10: pairs 1, 2, 3 guess them; pair 4 guesses past the end
+    (w,) = pair_weights([s], [[0.1, 0.5, 0.2]])
+    assert w.tolist() == pytest.approx([1.0, 0.1, 0.5, 0.2, 1.0])
+    (w1,) = pair_weights([Sample([5, 6, 7], 1)], [[0.3, 0.4]])  # a one-token prompt: answer token 0 has no pair
+    assert w1.tolist() == pytest.approx([0.4, 1.0])
+
+
+def test_boosting_weights_steer_the_loss_and_ones_change_nothing():
+    """``head_losses(weights=...)``: all-ones weights give the unweighted losses bit for bit; a pair at
+    weight 0 leaves the classification loss whatever its target, and the regression never weighs pairs."""
+    llm = tiny_llama(6, layers=2, vocab=64)
+    g = torch.Generator().manual_seed(3)
+    samples = [Sample(torch.randint(2, 64, (10,), generator=g).tolist(), 4) for _ in range(2)]
+    feats = llm_features(llm, samples)
+    head, rows = build_head(llm, [-1]), torch.arange(64)
+    plain = head_losses(head, samples, feats, rows, 0.0, depth2=True)
+    ones = head_losses(head, samples, feats, rows, 0.0, depth2=True, weights=[torch.ones(9), torch.ones(9)])
+    assert all(torch.equal(plain[k], ones[k]) for k in plain)
+    zero = [torch.ones(9), torch.ones(9)]
+    zero[0][8] = 0.0  # sample 0's last pair: its target feature is no pair's input
+    moved = [f.clone() for f in feats]
+    moved[0][9] = torch.randn(moved[0].shape[1], generator=g) * 5  # that pair's target feature
+    a = head_losses(head, samples, feats, rows, 0.0, weights=zero)
+    b = head_losses(head, samples, moved, rows, 0.0, weights=zero)
+    assert float(a["ce"].detach()) == pytest.approx(float(b["ce"].detach()), rel=1e-6)  # weight 0: the target does not count
+    assert float(a["reg"]) != pytest.approx(float(b["reg"]))  # ... while the regression still sees it
+    assert float(a["ce"]) != pytest.approx(float(plain["ce"]))
+
+
+def test_answer_ranks_are_serving_ranks_and_an_oracle_covers_everything():
+    """:func:`answer_ranks` is the depth-1 rank serving sees: the oracle head (the LLM's own next
+    feature) ranks every greedy answer token first, so boosting after it weighs every answer token down."""
+    from boosttune.train.coverage import token_weights
+    from boosttune.train.feature import answer_ranks, pair_weights
+
+    llm = local_llm(1)
+    head = oracle_head(llm)
+    prompt = [3, 9, 4, 11, 7]
+    s = Sample(prompt + incremental_generate(llm, prompt, StopCriteria(max_new_tokens=12)).tokens, len(prompt))
+    feats = llm_features(llm, [s])
+    (ranks,) = answer_ranks(head, [s], feats, None)
+    assert len(ranks) == 12 and ranks == [0] * 12
+    (w,) = pair_weights([s], token_weights([ranks], 1, 0.25))
+    assert w[len(prompt) - 2 : len(prompt) + 10].tolist() == pytest.approx([0.25] * 12)
+    assert w[: len(prompt) - 2].tolist() == pytest.approx([1.0] * (len(prompt) - 2))
+
+
+def test_feature_boost_settings_are_checked():
+    with pytest.raises(ValueError, match="feature.heads"):
+        FeatureConfig(heads=0)
+    with pytest.raises(ValueError, match="feature.boost"):
+        FeatureConfig(boost="match")
+    with pytest.raises(ValueError, match="feature.covered_weight"):
+        FeatureConfig(covered_weight=1.5)

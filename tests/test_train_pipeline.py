@@ -476,6 +476,46 @@ def test_feature_head_trains_after_the_ssms_and_is_evaluated(tmp_path: Path) -> 
     assert out.tokens == incremental_generate(served.llm.model, [1, 2, 3, 4, 5], stop).tokens
 
 
+def test_boosted_feature_heads_train_in_turn_and_serve_merged(tmp_path: Path) -> None:
+    """``feature.heads=2``: head 2 trains on what head 1 misses (its loss weighted by head 1's coverage), both
+    are measured alone and merged, and a bundle of both serves their merged tree exactly. A third head
+    added later trains alone: the first two are kept."""
+    run = tmp_path / "heads"
+    args = ("boost.num_ssms=1", "feature.enabled=true", "feature.minutes=0", "feature.max_steps=4",
+            "feature.batch_tokens=512", "feature.covered_weight=0.2")
+    ok(train(run, *args, "feature.heads=2"))
+    report = json.loads((run / "report.json").read_text())
+    feature = report["feature"]
+    assert [h["head"] for h in feature["heads"]] == ["feature", "feature-2"]
+    assert feature["heads"][0]["boost"] is None and feature["heads"][1]["boost"] == "weighted"
+    assert 0 <= feature["heads"][1]["covered_by_earlier"] <= 1
+    assert len(feature["head_coverages"]) == 2 and feature["coverage_k"] >= 1
+    assert max(feature["head_coverages"]) <= feature["union_coverage"] <= sum(feature["head_coverages"])
+    ev = report["evaluation"]
+    assert [h["drafter"] for h in ev["feature_heads"]] == ["feature", "feature-2"]
+    assert ev["feature_ensemble"]["drafters"] == ["feature", "feature-2"] and ev["feature_ensemble"]["tau"] >= 1.0
+    assert "feature_ensemble_gain_over_best_single" in ev
+
+    from boosttune.assemble import load
+    from boosttune.export.bundle import export_bundle
+    from boosttune.serving.decode import incremental_generate
+    from boosttune.serving.stops import StopCriteria
+
+    res = export_bundle(run, tmp_path / "bundle", drafters=["feature", "feature-2"])
+    assert [(d.name, d.kind) for d in res.manifest.models] == [("feature", "feature"), ("feature-2", "feature")]
+    served = load(bundle=tmp_path / "bundle")
+    assert list(served.engine.drafters) == ["feature", "feature-2"]
+    stop = StopCriteria(max_new_tokens=16)
+    assert served.generate([1, 2, 3, 4, 5], stop).tokens == incremental_generate(served.llm.model, [1, 2, 3, 4, 5], stop).tokens
+
+    kept = {d: (run / "ssms" / d / "model.safetensors").stat().st_mtime_ns for d in ("feature", "feature-2")}
+    ok(train(run, *args, "feature.heads=3"))
+    assert {d: (run / "ssms" / d / "model.safetensors").stat().st_mtime_ns for d in kept} == kept
+    report = json.loads((run / "report.json").read_text())
+    assert [h["head"] for h in report["feature"]["heads"]] == ["feature", "feature-2", "feature-3"]
+    assert len(report["evaluation"]["feature_ensemble"]["drafters"]) == 3
+
+
 def test_a_head_recorded_before_a_feature_field_existed_is_not_trained_again() -> None:
     """A finished head whose stats predate a ``feature:`` field (its default keeps the old recipe) counts as
     trained with today's settings at that default, and not with another value of it."""
@@ -490,3 +530,6 @@ def test_a_head_recorded_before_a_feature_field_existed_is_not_trained_again() -
     assert not _same_feature_settings(old, FeatureConfig(enabled=True, minutes=2.0, prompt_weight=1.0))
     assert not _same_feature_settings({**old, "minutes": 3.0}, now)
     assert not _same_feature_settings(None, now)
+    # how many heads follow never matters; how later heads are boosted does not matter to the first
+    assert _same_feature_settings(old, FeatureConfig(enabled=True, minutes=2.0, heads=3, boost="independent"))
+    assert not _same_feature_settings(old, FeatureConfig(enabled=True, minutes=2.0, boost="independent"), k=2)

@@ -18,6 +18,7 @@ Layout (everything a run makes; resuming trusts only what is complete)::
                                   core/kind_file.py); complete.json written last
       ssms/feature/               the feature head (core/feature_head.py), laid out as an SSM, plus
                                   feature_head.json and feature_fc.safetensors
+      ssms/feature-K/             feature head K >= 2 (``feature.heads``), laid out the same way
       report.json                 run report: llm, tree, teacher, one entry per stage, feature head,
                                   evaluation, scheduler; written when the run ends (and after each
                                   newly trained stage, so that a killed run lists the SSMs it finished)
@@ -57,6 +58,12 @@ FEATURE_NAME = "feature"
 """The feature head's name: its directory under ``ssms/`` and its drafter name in evaluations and bundles."""
 SCHEDULER_FILE = "scheduler.json"
 """The learned scheduler's file in a scheduler directory (a run's, and the bundle's copy of it)."""
+
+
+def feature_name(k: int) -> str:
+    """The name of feature head k: ``feature`` for the first (a run's only one before ``feature.heads``),
+    ``feature-K`` after it; its directory under ssms/ and its drafter name, as :func:`ssm_name`."""
+    return FEATURE_NAME if k == 1 else f"{FEATURE_NAME}-{k}"
 
 
 def ssm_name(k: int) -> str:
@@ -204,6 +211,17 @@ class RunDir:
     def feature_dir(self) -> Path:
         """The run's feature head (``feature.enabled``), a model folder like an SSM's."""
         return self.root / "ssms" / FEATURE_NAME
+
+    def feature_head_dir(self, k: int) -> Path:
+        """Feature head ``k`` (1-based; head 1 is :attr:`feature_dir`)."""
+        return self.root / "ssms" / feature_name(k)
+
+    def feature_dirs(self) -> list[Path]:
+        """The run's complete feature heads in order, up to the first missing one."""
+        out = []
+        while is_complete(d := self.feature_head_dir(len(out) + 1)):
+            out.append(d)
+        return out
 
     def ssm_dirs(self) -> list[Path]:
         """The trained SSMs of the run, in stage order (only complete ones), as its report lists them

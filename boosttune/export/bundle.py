@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from boosttune.core.files import is_complete, sha256_file
+from boosttune.core.files import sha256_file
 from boosttune.core.rundir import FEATURE_NAME, RunDir
 from boosttune.export.common import (
     STATS,
@@ -71,7 +71,7 @@ class Choice:
     """The drafters a run's own evaluation measured fastest (``train/evaluate.py``).
 
     Attributes:
-        drafters: their names (one SSM, the feature head, or every SSM merged).
+        drafters: their names (one SSM, one feature head, every SSM merged or every head merged).
         speedup: their tokens/s over plain decoding's, in that evaluation.
         others: every other option's speed-up there, by label ("ssm-K", "feature", "ensemble", each
             also "+ lookup N" where the evaluation measured it merged with prompt lookup).
@@ -86,7 +86,8 @@ class Choice:
 
 def fastest_drafters(evaluation: dict | None, available: Sequence[str]) -> Choice | None:
     """The option of a run's evaluation with the highest speed-up whose drafters are all ``available``:
-    each SSM alone, the feature head alone, or all SSMs merged (the ensemble), each with or without
+    each SSM alone, each feature head alone, all SSMs merged (the ensemble) or all feature heads merged,
+    each with or without
     prompt lookup where the evaluation measured both. None when the run was not evaluated
     (``eval.enabled: false``, or a report from before evaluation measured speed)."""
     if not isinstance(evaluation, dict):
@@ -95,6 +96,12 @@ def fastest_drafters(evaluation: dict | None, available: Sequence[str]) -> Choic
     rows = {s["ssm"]: ([s["ssm"]], s) for s in singles}
     if isinstance(evaluation.get("feature"), dict) and "speedup" in evaluation["feature"]:
         rows[FEATURE_NAME] = ([FEATURE_NAME], evaluation["feature"])
+    for h in evaluation.get("feature_heads") or []:
+        if isinstance(h, dict) and isinstance(h.get("drafter"), str) and "speedup" in h:
+            rows[h["drafter"]] = ([h["drafter"]], h)
+    merged = evaluation.get("feature_ensemble")
+    if isinstance(merged, dict) and "speedup" in merged and isinstance(merged.get("drafters"), list):
+        rows["feature ensemble"] = ([str(n) for n in merged["drafters"]], merged)
     if isinstance(evaluation.get("ensemble"), dict) and "speedup" in evaluation["ensemble"]:
         rows["ensemble"] = ([s["ssm"] for s in singles], evaluation["ensemble"])
     options: dict[str, tuple[list[str], float, int]] = {}
@@ -218,8 +225,8 @@ def export_bundle(
         prompt_lookup: the bundle's default prompt-lookup chain length (``serving/lookup.py``), used
             when no learned scheduler decides (0: off; None: what the run's evaluation measured fastest
             with the drafters it shipped, when export chose them, else off).
-        drafters: the run's drafters to ship, by name (ssm-K, and ``feature`` for the run's feature
-            head). None: with a learned scheduler, the drafters it was trained to choose among per
+        drafters: the run's drafters to ship, by name (ssm-K, and ``feature``, ``feature-K`` for the run's
+            feature heads). None: with a learned scheduler, the drafters it was trained to choose among per
             request (a bundle whose drafters differ from its scheduler's is refused when it loads);
             without one, every request drafts with every
             drafter shipped, so export ships what the run's evaluation measured fastest
@@ -232,8 +239,7 @@ def export_bundle(
     report = run.read_report()
     stages = stage_entries(run, report)
     ssm_dirs = run.ssm_dirs()
-    if is_complete(run.feature_dir):
-        ssm_dirs.append(run.feature_dir)
+    ssm_dirs += run.feature_dirs()
     choice = None
     if drafters is None and run.scheduler_file.is_file():  # the drafters the learned scheduler chooses among
         try:

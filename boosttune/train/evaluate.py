@@ -1,4 +1,5 @@
-"""τ of a training run's SSMs with the serving engine: each SSM alone and the merged ensemble.
+"""τ of a training run's drafters with the serving engine: each SSM alone and the merged ensemble, each
+feature head alone and, with several, the heads merged.
 
 Greedy decoding of held-out prompts (``eval.prompts``, else the run's held-out prompts) with the
 LLM in ``llm.eval_dtype``; every SSM drafts the ``tree:`` section's tree (the one a bundle of the run
@@ -17,11 +18,10 @@ from pathlib import Path
 
 from boosttune.assemble import engine_from_models
 from boosttune.config import TrainConfig
-from boosttune.core.files import is_complete
 from boosttune.core.models import LoadedModel, dtype_name, eos_token_ids, load_model, load_ssms
 from boosttune.core.progress import progress
 from boosttune.core.prompts import encode_prompt, read_prompts
-from boosttune.core.rundir import FEATURE_NAME, RunDir, ssm_name
+from boosttune.core.rundir import RunDir, ssm_name
 from boosttune.serving import kinds
 from boosttune.serving.draft_vocab import load_ranking
 from boosttune.serving.engine import SpeculativeEngine
@@ -87,8 +87,15 @@ def evaluate_run(cfg: TrainConfig, run: RunDir, held_out: list[TrainPrompt], ssm
             out["ensemble"] = r
         else:
             out["singles"].append({"ssm": name, **r, "c": relative_cost(r, plain, tree.max_depth)})
-    if cfg.feature.enabled and is_complete(run.feature_dir):  # the feature head alone, on its draft vocabulary
-        out["feature"] = feature_tau(cfg, run, llm.model, tree, prompts, stop, plain)
+    heads = run.feature_dirs() if cfg.feature.enabled else []
+    if heads:  # each feature head alone, on its draft vocabulary, then all of them merged
+        alone = [feature_tau(cfg, run, llm.model, tree, prompts, stop, plain, [d]) for d in heads]
+        out["feature"] = alone[0]
+        if len(heads) > 1:
+            out["feature_heads"] = [{"drafter": d.name, **r} for d, r in zip(heads, alone, strict=True)]
+            merged = out["feature_ensemble"] = feature_tau(cfg, run, llm.model, tree, prompts, stop, plain, heads)
+            merged["drafters"] = [d.name for d in heads]
+            out["feature_ensemble_gain_over_best_single"] = merged["tau"] / max(r["tau"] for r in alone) - 1
     best = max((s["tau"] for s in out["singles"]), default=0.0)
     if "ensemble" in out and best:
         out["ensemble_gain_over_best_single"] = out["ensemble"]["tau"] / best - 1
@@ -99,15 +106,17 @@ def evaluate_run(cfg: TrainConfig, run: RunDir, held_out: list[TrainPrompt], ssm
 
 
 def feature_tau(cfg: TrainConfig, run: RunDir, llm, tree: TreeConfig, prompts: list[list[int]], stop: StopCriteria,
-                plain: dict) -> dict:
-    """τ, speed and c of the run's feature head alone, on the run's tree shape with the head's draft
-    vocabulary (the one it was trained over); with ``eval.prompt_lookup``, also merged with prompt lookup."""
-    head = load_model(str(run.feature_dir), llm.dtype)
-    kind = kinds.kind(kinds.directory_kind(run.feature_dir))
-    tree = kind.trained_tree(run.feature_dir, tree)
+                plain: dict, heads: Sequence[Path] | None = None) -> dict:
+    """τ, speed and c of the run's feature ``heads`` (default: the first alone; several: merged into one
+    tree), on the run's tree shape with the heads' draft vocabulary (the one they were trained over); with
+    ``eval.prompt_lookup``, also merged with prompt lookup."""
+    heads = list(heads) if heads else [run.feature_dir]
+    models = {d.name: load_model(str(d), llm.dtype).model for d in heads}
+    kind = kinds.kind(kinds.directory_kind(heads[0]))
+    tree = kind.trained_tree(heads[0], tree)
     ranking = load_ranking(run.draft_vocab_path) if tree.draft_vocab else None
-    r = _option(llm, {FEATURE_NAME: head.model}, tree, ranking, prompts, stop, plain, cfg.eval.prompt_lookup,
-                kinds={FEATURE_NAME: kind.name})
+    r = _option(llm, models, tree, ranking, prompts, stop, plain, cfg.eval.prompt_lookup,
+                kinds={name: kind.name for name in models})
     return {**r, "c": relative_cost(r, plain, tree.max_depth), "draft_vocab": tree.draft_vocab}
 
 

@@ -38,7 +38,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
 from boosttune.config import FeatureConfig, FeatureLoss, SSMInitConfig
-from boosttune.core.feature_head import FC_ATTR, new_fc, pair_inputs, second_step
+from boosttune.core.feature_head import FC_ATTR, new_fc, pair_inputs, second_step, teacher_forced_ranks
 from boosttune.serving.runner import cache_keyword
 from boosttune.train.distill import Sample, total_variation
 from boosttune.train.ssm_init import derive_ssm
@@ -109,7 +109,7 @@ def classification_loss(pred: Tensor, target: Tensor, kind: str) -> Tensor:
 def head_losses(
     head: PreTrainedModel, samples: Sequence[Sample], feats: Sequence[Tensor], rows: Tensor, noise: float,
     gen: torch.Generator | None = None, depth2: bool = False, prompt_weight: float = 0.0, top1: bool = True,
-    loss: str = "kl",
+    loss: str = "kl", weights: Sequence[Tensor] | None = None,
 ) -> dict[str, Tensor]:
     """The losses on one batch (and, with ``top1``, top-1 agreement with the LLM's argmax, a diagnostic).
 
@@ -126,6 +126,8 @@ def head_losses(
         top1: also ``top1`` (and ``top1_2``): two argmaxes over (pairs, K), which cost a training step
             about 15 % at K = 8,192 (``TOP1_EVERY``), so training asks for it only now and then.
         loss: the classification loss (:data:`LOSSES`), reported as ``ce`` whichever it is.
+        weights: per sample, (len(ids) - 1,) each pair's classification weight on top of the rest
+            (boosting, :func:`pair_weights`); None: all 1.
     """
     b, width = len(samples), feats[0].shape[1]
     n = max(len(s.ids) for s in samples) - 1  # pairs of the longest sample
@@ -134,8 +136,11 @@ def head_losses(
     tok = torch.zeros(b, n, dtype=torch.long)
     valid = torch.zeros(b, n, dtype=torch.bool)  # a real pair (not padding)
     cont = torch.zeros(b, n, dtype=torch.bool)  # ... whose next token is the LLM's continuation
+    boost = torch.ones(b, n)
     for i, (s, f) in enumerate(zip(samples, feats, strict=True)):
         m = len(s.ids) - 1
+        if weights is not None:
+            boost[i, :m] = weights[i][:m]
         f_in[i, :m] = f[:-1]
         tok[i, :m] = torch.tensor(s.ids[1:])
         f_out[i, :m] = f[1:]
@@ -152,20 +157,23 @@ def head_losses(
     body = head.base_model
     hidden = body(inputs_embeds=inputs, attention_mask=attn.to(dev), position_ids=pos, use_cache=depth2,
                   **{cache_keyword(body.forward): cache}).last_hidden_state  # (B, n, H)
-    valid, cont, f_out = valid.to(dev), cont.to(dev), f_out.to(dev)
+    valid, cont, f_out, boost = valid.to(dev), cont.to(dev), f_out.to(dev), boost.to(dev)
     w = head.get_output_embeddings().weight[rows.to(dev)].float()  # (K, H), frozen
-    out = _step_losses(hidden, f_out, valid, cont, w, "", prompt_weight, top1, loss)
+    out = _step_losses(hidden, f_out, valid, cont, w, "", prompt_weight, top1, loss, boost)
     if depth2:  # step-2 pair j predicts F_{j+2}: pair j + 1's target
         second = second_step(head, cache, hidden, tok)
-        out |= _step_losses(second, f_out[:, 1:], valid[:, 1:], cont[:, 1:], w, "2", prompt_weight, top1, loss)
+        out |= _step_losses(second, f_out[:, 1:], valid[:, 1:], cont[:, 1:], w, "2", prompt_weight, top1, loss,
+                            boost[:, 1:])
     return out
 
 
 def _step_losses(hidden: Tensor, f_out: Tensor, valid: Tensor, cont: Tensor, w: Tensor, suffix: str,
-                 prompt_weight: float = 0.0, top1: bool = True, loss: str = "kl") -> dict[str, Tensor]:
+                 prompt_weight: float = 0.0, top1: bool = True, loss: str = "kl",
+                 boost: Tensor | None = None) -> dict[str, Tensor]:
     """``reg``, ``ce`` and, with ``top1``, ``top1`` (each name + ``suffix``) of one draft step's (B, n, H)
     outputs against the LLM's next features ``f_out``; ``valid``: real pairs, ``cont``: pairs predicting
-    the continuation, the others' classification loss (``loss``) weighted by ``prompt_weight``."""
+    the continuation, the others' classification loss (``loss``) weighted by ``prompt_weight``; ``boost``:
+    (B, n) a further weight per pair (None: 1)."""
     reg = F.smooth_l1_loss(hidden[valid].float(), f_out[valid])
     pick = valid if prompt_weight else cont
     pred = hidden[pick].float() @ w.T  # (C, K)
@@ -173,6 +181,8 @@ def _step_losses(hidden: Tensor, f_out: Tensor, valid: Tensor, cont: Tensor, w: 
     with torch.no_grad():
         target = torch.softmax(f_out[pick] @ w.T, dim=-1)
         weight = torch.where(is_cont, 1.0, prompt_weight)
+        if boost is not None:
+            weight = weight * boost[pick]
     ce_each = classification_loss(pred, target, loss)
     ce = (ce_each * weight).sum() / weight.sum().clamp(min=1e-9)
     out = {f"reg{suffix}": reg, f"ce{suffix}": ce}
@@ -192,8 +202,10 @@ one-minute runs each, bf16 autocast, 2 cores of an AMX Xeon)."""
 def train_head(
     head: PreTrainedModel, samples: Sequence[Sample], feats: Sequence[Tensor], rows: Tensor, cfg: FeatureConfig,
     on_step: Callable[[int, dict], None] | None = None, seed: int = 0, autocast: torch.dtype | None = None,
+    weights: Sequence[Tensor] | None = None,
 ) -> dict:
     """AdamW on the head until ``cfg.minutes`` or ``cfg.max_steps``; returns training statistics.
+    ``weights``: per sample, each pair's classification weight (boosting: :func:`pair_weights`).
     ``autocast``: the forward's mixed-precision dtype (bf16 on CPUs with native bf16 took twice the
     steps per minute of fp32: 188 against 97 in one minute, AVX512-BF16 EPYC, 2 threads); the weights,
     gradients and optimiser stay fp32."""
@@ -225,7 +237,8 @@ def train_head(
         with amp:
             losses = head_losses(head, [samples[i] for i in idx], [feats[i] for i in idx], rows, cfg.noise, gen,
                                  depth2=cfg.depth2_weight > 0, prompt_weight=cfg.prompt_weight,
-                                 top1=step % TOP1_EVERY == 0, loss=cfg.loss)
+                                 top1=step % TOP1_EVERY == 0, loss=cfg.loss,
+                                 weights=[weights[i] for i in idx] if weights is not None else None)
         loss = cfg.reg_weight * losses["reg"] + cfg.ce_weight * losses["ce"]
         if "ce2" in losses:
             loss = loss + cfg.depth2_weight * (cfg.reg_weight * losses["reg2"] + cfg.ce_weight * losses["ce2"])
@@ -265,3 +278,33 @@ def evaluate_head(head: PreTrainedModel, samples: Sequence[Sample], feats: Seque
         n2 += second
     head.train(was)
     return {k: round(v / max(1, n2 if k.endswith("2") else n), 4) for k, v in out.items()}
+
+
+@torch.no_grad()
+def answer_ranks(head: PreTrainedModel, samples: Sequence[Sample], feats: Sequence[Tensor], rows: Tensor | None,
+                 progress: Callable[[int], None] | None = None) -> list[list[int]]:
+    """Per sample, the head's rank of each answer token at the first draft depth, teacher forced from
+    the LLM's features as serving drafts (:func:`boosttune.core.feature_head.teacher_forced_ranks`)."""
+    was = head.training
+    head.eval()
+    out = []
+    for s, f in zip(samples, feats, strict=True):
+        out.append(teacher_forced_ranks(head, f, s.ids, s.prompt_len, rows)[0].tolist())
+        if progress is not None:
+            progress(1)
+    head.train(was)
+    return out
+
+
+def pair_weights(samples: Sequence[Sample], answer_weights: Sequence[Sequence[float]]) -> list[Tensor]:
+    """Per sample, (len(ids) - 1,) each training pair's weight: ``answer_weights[i][t]`` at the pair that
+    guesses answer token t (pair ``prompt_len + t - 2``), 1 at every other pair."""
+    out = []
+    for s, aw in zip(samples, answer_weights, strict=True):
+        w = torch.ones(len(s.ids) - 1)
+        for t, x in enumerate(aw):
+            j = s.prompt_len + t - 2
+            if 0 <= j < len(w):
+                w[j] = x
+        out.append(w)
+    return out

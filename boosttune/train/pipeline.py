@@ -24,6 +24,7 @@ import os
 import random
 import shutil
 import time
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -59,7 +60,7 @@ from boosttune.core.models import (
     parse_dtype,
     resolve_model_path,
 )
-from boosttune.core.rundir import REPORT_FORMAT, RunDir
+from boosttune.core.rundir import REPORT_FORMAT, RunDir, feature_name
 from boosttune.serving.kinds import FeatureKind, SSMKind
 from boosttune.train import dist
 from boosttune.train.coverage import (
@@ -614,23 +615,26 @@ def _publish_model(model, tokenizer, out: Path, marker: dict, stats: dict | None
         tmp.rename(out)
 
 
-def finished_feature(cfg: TrainConfig, run: RunDir) -> dict | None:
-    """The statistics of the run's feature head if it was trained with the ``feature:`` settings of
+def finished_feature(cfg: TrainConfig, run: RunDir, k: int = 1) -> dict | None:
+    """The statistics of the run's feature head ``k`` if it was trained with the ``feature:`` settings of
     ``cfg`` (None: none yet, or other settings: it is trained again)."""
-    stats_file = run.feature_dir / "stats.json"
-    if not is_complete(run.feature_dir) or not stats_file.is_file():
+    stats_file = run.feature_head_dir(k) / "stats.json"
+    if not is_complete(run.feature_head_dir(k)) or not stats_file.is_file():
         return None
     stats = json.loads(stats_file.read_text())
-    return stats if _same_feature_settings(stats.get("config"), cfg.feature) else None
+    return stats if _same_feature_settings(stats.get("config"), cfg.feature, k) else None
 
 
-def _same_feature_settings(saved: dict | None, now: FeatureConfig) -> bool:
-    """Whether a head's recorded ``feature:`` settings are ``now``'s; a field the record lacks (one
-    added since the head was trained) counts at its default, which keeps the recipe it was trained with."""
+def _same_feature_settings(saved: dict | None, now: FeatureConfig, k: int = 1) -> bool:
+    """Whether head ``k``'s recorded ``feature:`` settings are ``now``'s; a field the record lacks (one
+    added since the head was trained) counts at its default, which keeps the recipe it was trained with.
+    How many heads follow never matters, nor, for the first head, how the later ones are boosted."""
     if saved is None:
         return False
+    ignored = {"heads"} | ({"boost", "covered_weight"} if k == 1 else set())
     defaults = json.loads(json.dumps(asdict(FeatureConfig())))
-    return {**defaults, **saved} == json.loads(json.dumps(asdict(now)))
+    was, want = {**defaults, **saved}, json.loads(json.dumps(asdict(now)))
+    return {n: v for n, v in was.items() if n not in ignored} == {n: v for n, v in want.items() if n not in ignored}
 
 
 def _recorded_features(run: RunDir, shard_size: int, samples: list, first: int) -> tuple[list, list, int]:
@@ -650,57 +654,136 @@ def _recorded_features(run: RunDir, shard_size: int, samples: list, first: int) 
 
 
 def feature_phase(cfg: TrainConfig, run: RunDir, data: TeacherData, llm: RunLLM) -> dict | None:
-    """Rank 0 trains the feature head (``feature.enabled``) on every training sample, after the SSMs,
-    on the LLM features the teacher recorded (:func:`_recorded_features`; computed where it did not);
-    returns its statistics (None: disabled, or another rank). A head trained with the same settings
-    is not trained again (other settings replace it: a finished run can gain one); a killed phase
-    starts over (it is minutes long and keeps nothing half-done)."""
+    """Rank 0 trains the feature heads (``feature.enabled``, ``feature.heads`` of them) on every training
+    sample, after the SSMs, on the LLM features the teacher recorded (:func:`_recorded_features`;
+    computed where it did not); head k > 1 boost-tuned on what heads 1..k-1 miss (``feature.boost``).
+    Returns the first head's statistics with the heads' held-out coverage (None: disabled, or another
+    rank). A head trained with the same settings is not trained again (other settings replace it and
+    every later head: a finished run can gain heads); a killed head starts over (minutes long)."""
     if not cfg.feature.enabled or not dist.is_main():
         return None
-    out = run.feature_dir
-    done = finished_feature(cfg, run)
-    if done is not None:
-        return done
-    from boosttune.core.feature_head import save_head
+    fc = cfg.feature
+    done = [finished_feature(cfg, run, k) for k in range(1, fc.heads + 1)]
+    fresh = next((k for k, d in enumerate(done, start=1) if d is None), None)
+    if fresh is None:
+        return heads_summary(typing.cast(list[dict], done), coverage_k(cfg))
     from boosttune.core.progress import progress
     from boosttune.serving.draft_vocab import head_ids, load_ranking
-    from boosttune.train.feature import build_head, evaluate_head, llm_features, train_head
-    from boosttune.train.stage import precision
+    from boosttune.train.feature import llm_features
 
-    fc = cfg.feature
-    train, held = data.train, data.held
     llm = llm.get(torch.float32, _device(cfg))
     vocab = llm.model.get_output_embeddings().weight.shape[0]
     rows = head_ids(load_ranking(run.draft_vocab_path), fc.draft_vocab, vocab) if fc.draft_vocab else torch.arange(vocab)
     t0 = time.perf_counter()
-    train, feats, train_recorded = _recorded_features(run, cfg.teacher.shard_size, train, 0)
-    held, held_feats, held_recorded = _recorded_features(run, cfg.teacher.shard_size, held, len(train))
+    train, feats, train_recorded = _recorded_features(run, cfg.teacher.shard_size, data.train, 0)
+    held, held_feats, held_recorded = _recorded_features(run, cfg.teacher.shard_size, data.held, len(train))
     every, every_feats = train + held, feats + held_feats
     todo = [i for i, f in enumerate(every_feats) if f is None]
     with progress(total=len(todo), desc="LLM features", unit="sample") as bar:
         for i, f in zip(todo, llm_features(llm.model, [every[i] for i in todo], bar.update), strict=True):
             every_feats[i] = f
-    feats, held_feats = every_feats[: len(train)], every_feats[len(train):]
-    feature_s = time.perf_counter() - t0
+    data_f = HeadData(train, every_feats[: len(train)], held, every_feats[len(train):], rows,
+                      round(time.perf_counter() - t0, 1), train_recorded + held_recorded)
+    summaries = typing.cast(list[dict], done[: fresh - 1])
+    trained: dict[int, torch.nn.Module] = {}
+    for k in range(fresh, fc.heads + 1):
+        summary, trained[k] = train_feature_head(cfg, run, k, data_f, llm, trained)
+        summaries.append(summary)
+    return heads_summary(summaries, coverage_k(cfg))
+
+
+@dataclass
+class HeadData:
+    """What every feature head trains and is measured on: the samples, the LLM's features over them,
+    the draft vocabulary's rows, and how the features were had (seconds computing them, how many the
+    teacher recorded)."""
+
+    train: list
+    feats: list
+    held: list
+    held_feats: list
+    rows: torch.Tensor
+    feature_seconds: float
+    recorded: int
+
+
+def _earlier_head(run: RunDir, j: int, trained: dict, device: str) -> torch.nn.Module:
+    """Head ``j``: the one this process trained, else the run's saved one."""
+    if j in trained:
+        return trained[j]
+    return load_model(str(run.feature_head_dir(j)), torch.float32).model.to(device)
+
+
+def boost_weights(cfg: TrainConfig, run: RunDir, k: int, d: HeadData, trained: dict, device: str
+                  ) -> tuple[list[torch.Tensor] | None, float | None]:
+    """Head ``k``'s per-pair loss weights (``feature.boost: weighted``; None for head 1 and ``independent``)
+    and the share of answer tokens heads 1..k-1 already cover."""
+    fc = cfg.feature
+    if k == 1 or fc.boost != "weighted":
+        return None, None
+    from boosttune.core.progress import progress
+    from boosttune.train.feature import answer_ranks, pair_weights
+
+    kc = coverage_k(cfg)
+    with progress(total=(k - 1) * len(d.train), desc=f"head {k}: earlier heads' ranks", unit="sample") as bar:
+        ranks = [answer_ranks(_earlier_head(run, j, trained, device), d.train, d.feats, d.rows, bar.update)
+                 for j in range(1, k)]
+    union = union_rank_rows(ranks)
+    covered = float(np.mean(_flat(union) < kc)) if any(union) else 0.0
+    return pair_weights(d.train, token_weights(union, kc, fc.covered_weight)), covered
+
+
+def train_feature_head(cfg: TrainConfig, run: RunDir, k: int, d: HeadData, llm: LoadedModel, trained: dict
+                       ) -> tuple[dict, torch.nn.Module]:
+    """Train, measure and publish feature head ``k`` (``run.feature_head_dir(k)``); its summary and the head."""
+    from boosttune.core.feature_head import save_head
+    from boosttune.core.progress import progress
+    from boosttune.train.feature import answer_ranks, build_head, evaluate_head, train_head
+    from boosttune.train.stage import precision
+
+    fc = cfg.feature
+    device = str(llm.model.device)
+    weights, covered = boost_weights(cfg, run, k, d, trained, device)
     head = build_head(llm.model, fc.layers).to(llm.model.device)
-    before = evaluate_head(head, held, held_feats, rows)
-    with progress(total=None, desc="feature head", unit="step") as bar:
+    before = evaluate_head(head, d.held, d.held_feats, d.rows)
+    name = feature_name(k)
+    with progress(total=None, desc=name, unit="step") as bar:
         amp = torch.bfloat16 if precision(cfg).startswith("bf16") else None  # as the SSM stages train
-        stats = train_head(head, train, feats, rows, fc, on_step=lambda step, losses: bar.update(1),
-                           seed=cfg.optim.seed, autocast=amp)
-    after = evaluate_head(head, held, held_feats, rows)
-    summary = {"config": json.loads(json.dumps(asdict(fc))), "feature_seconds": round(feature_s, 1),
-               "train": stats, "held_out_before": before, "held_out": after,
-               "samples": len(train), "held_out_samples": len(held),
-               "recorded_by_teacher": train_recorded + held_recorded}
-    _log(f"feature head: {stats['steps']} steps in {stats['seconds']:.0f} s, held-out top-1 "
-         f"{before['top1']:.3f} -> {after['top1']:.3f} (features {feature_s:.0f} s)")
+        stats = train_head(head, d.train, d.feats, d.rows, fc, on_step=lambda step, losses: bar.update(1),
+                           seed=cfg.optim.seed + k - 1, autocast=amp, weights=weights)
+    after = evaluate_head(head, d.held, d.held_feats, d.rows)
     head = head.to(torch.float32).eval()
+    summary = {"config": json.loads(json.dumps(asdict(fc))), "head": name, "feature_seconds": d.feature_seconds,
+               "train": stats, "held_out_before": before, "held_out": after,
+               "samples": len(d.train), "held_out_samples": len(d.held), "recorded_by_teacher": d.recorded,
+               "boost": fc.boost if k > 1 else None, "covered_by_earlier": covered,
+               "held_out_ranks": answer_ranks(head, d.held, d.held_feats, d.rows)}
+    _log(f"{name}: {stats['steps']} steps in {stats['seconds']:.0f} s, held-out top-1 "
+         f"{before['top1']:.3f} -> {after['top1']:.3f} (features {d.feature_seconds:.0f} s)"
+         + (f", {covered:.3f} of answer tokens covered by heads 1..{k - 1}" if covered is not None else ""))
     head.config.use_cache = True
     meta = {"layers": list(fc.layers), "draft_vocab": fc.draft_vocab}
-    _publish_model(head, llm.tokenizer, out, {"feature": True}, stats=summary,
+    _publish_model(head, llm.tokenizer, run.feature_head_dir(k), {"feature": True}, stats=summary,
                    save=lambda tmp: save_head(head, tmp, meta), kind=FeatureKind.name)
-    return summary
+    return summary, head
+
+
+def heads_summary(summaries: list[dict], k: int) -> dict:
+    """The report's ``feature`` entry: the first head's statistics, the heads' held-out top-``k``
+    coverage and their union's (where every head recorded its held-out ranks) and, with more than one
+    head, a line per head."""
+    out = {n: v for n, v in summaries[0].items() if n != "held_out_ranks"}
+    ranks = [s.get("held_out_ranks") for s in summaries]
+    if all(r is not None for r in ranks):
+        c = coverage_summary(np.stack([_flat(r) for r in ranks]), k)
+        out |= {"coverage_k": k, "head_coverages": c["topk"], "union_coverage": c["union_topk"],
+                "union_gain_over_best_single": c["union_gain"]}
+    if len(summaries) > 1:
+        out["heads"] = [{"head": s.get("head", feature_name(i)), "boost": s.get("boost"), "steps": s["train"]["steps"],
+                         "seconds": s["train"]["seconds"], "held_out_top1": s["held_out"]["top1"],
+                         "covered_by_earlier": s.get("covered_by_earlier")}
+                        for i, s in enumerate(summaries, start=1)]
+    return out
 
 
 # ---------------------------------------------------------------------------------- boost-tuning
@@ -727,7 +810,8 @@ def boost_phase(cfg: TrainConfig, run: RunDir, data: TeacherData, init_dir: Path
 def drafters_to_train(cfg: TrainConfig, run: RunDir) -> bool:
     """Whether this process will train an SSM or the feature head (the same answer on every rank for
     the SSMs; the head is rank 0's)."""
-    fresh_feature = cfg.feature.enabled and dist.is_main() and finished_feature(cfg, run) is None
+    fresh_feature = cfg.feature.enabled and dist.is_main() and any(
+        finished_feature(cfg, run, k) is None for k in range(1, cfg.feature.heads + 1))
     return fresh_feature or not all(stage_done(run, k) for k in range(1, cfg.boost.num_ssms + 1))
 
 

@@ -117,10 +117,10 @@ class RunModels:
 
 
 def _drafter_dirs(run: RunDir, cfg: SchedulerConfig, models: RunModels) -> list[Path]:
-    """The complete SSMs, then the feature head when it takes part (``scheduler.feature_head``)."""
+    """The complete SSMs, then the feature heads when they take part (``scheduler.feature_head``)."""
     dirs = [d for d in models.ssm_dirs if is_complete(d)]
-    if cfg.feature_head and is_complete(run.feature_dir):
-        dirs.append(run.feature_dir)
+    if cfg.feature_head:
+        dirs += run.feature_dirs()
     return dirs
 
 
@@ -182,7 +182,7 @@ def _setup(run: RunDir, cfg: SchedulerConfig, models: RunModels) -> _Setup:
         raise ValueError(f"{run}: no complete SSMs under ssms/; the scheduler needs trained SSMs")
     widths = resolve_widths(cfg, models.tree)
     ssm_paths = _drafter_dirs(run, cfg, models)
-    if run.feature_dir in ssm_paths and len(widths[: cfg.label_depth]) > 2:
+    if set(run.feature_dirs()) & set(ssm_paths) and len(widths[: cfg.label_depth]) > 2:
         raise ValueError(f"scheduler.widths: the run's feature head is labelled on trees of at most two levels, "
                          f"got {list(widths[: cfg.label_depth])}; set scheduler.widths (e.g. [3]) or "
                          "scheduler.feature_head: false")
