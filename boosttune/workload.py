@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from boosttune.core.prompts import Prompt
+from boosttune.core.table import text_table
 
 CONTINUATION = "continuation"
 """The category of the document-continuation requests."""
@@ -256,8 +257,9 @@ def question_record(prompt: Prompt) -> dict:
 
 
 def write_questions(path: Path, prompts: Iterable[Prompt]) -> None:
-    """Write ``prompts`` as MT-bench question JSONL (one record per line, UTF-8)."""
-    lines = [json.dumps(question_record(p), ensure_ascii=False) + "\n" for p in prompts]
+    """Write ``prompts`` as MT-bench question JSONL, one record per line (non-ASCII characters escaped, so
+    no Unicode line separator in a prompt can split a line for a reader that splits on those)."""
+    lines = [json.dumps(question_record(p)) + "\n" for p in prompts]
     path.write_text("".join(lines), encoding="utf-8")
 
 
@@ -269,25 +271,4 @@ def category_table(split: Split) -> str:
         he = [p for p in split.heldout if p.category == cat]
         chars = [len(p.text) for p in tr + he]
         rows.append((cat, str(len(tr)), str(len(he)), f"{sum(chars) / len(chars):.0f}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-             for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def candidates(cfg: WorkloadConfig) -> list[Prompt]:
-    """Every prompt the workload can draw from: classified ShareGPT prompts, then OpenWebText and C4
-    continuation requests (ids ``owt-<paragraph index>``, ``c4-<record index>``)."""
-    with open(cfg.sharegpt, encoding="utf-8") as f:
-        chat = chat_prompts((json.loads(line) for line in f if line.strip()), cfg.min_chars, cfg.max_chars)
-    owt = paragraphs(Path(cfg.openwebtext).read_text(encoding="utf-8"))
-    c4 = [f"{r['input']} {r['output']}" for r in json.loads(Path(cfg.c4).read_text(encoding="utf-8"))]
-    words = cfg.continuation_words
-    return [*chat, *continuation_prompts(owt, words, "owt"), *continuation_prompts(c4, words, "c4")]
-
-
-def build(cfg: WorkloadConfig) -> Split:
-    """The validated config's stratified split of :func:`candidates`."""
-    cfg.validate()
-    return split_stratified(candidates(cfg), cfg.per_train, cfg.per_heldout, cfg.seed)
+    return "\n".join(text_table(rows))
