@@ -135,16 +135,16 @@ class WorkloadConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the flag and the fix for a missing file or an out-of-range number."""
-        for flag, path in (("--sharegpt", self.sharegpt), ("--openwebtext", self.openwebtext), ("--c4", self.c4)):
-            if not Path(path).is_file():
-                raise ValueError(f"{flag}: no such file: {path} (give the path of the file; "
-                                 "../shared/data/SOURCES.md lists the samples)")
         for flag, n in (("--per-category-train", self.per_train), ("--per-category-heldout", self.per_heldout),
                         ("--min-chars", self.min_chars), ("--continuation-words", self.continuation_words)):
             if n < 1:
                 raise ValueError(f"{flag} must be >= 1, got {n}")
         if self.max_chars < self.min_chars:
             raise ValueError(f"--max-chars ({self.max_chars}) must be >= --min-chars ({self.min_chars})")
+        for flag, path in (("--sharegpt", self.sharegpt), ("--openwebtext", self.openwebtext), ("--c4", self.c4)):
+            if not Path(path).is_file():
+                raise ValueError(f"{flag}: no such file: {path} (give the path of the file; "
+                                 "../shared/data/SOURCES.md lists the samples)")
 
 
 @dataclass(frozen=True)
