@@ -4,7 +4,8 @@ continuation, split into a train part (the learned scheduler's ``--prompts``) an
 
 Sources (all outside MT-bench; ``../shared/data/SOURCES.md`` describes them):
 
-* ShareGPT first user turns (``{id, prompt}``): the capture tools' trailing text removed
+* ShareGPT first user turns (``{id, prompt}``) after the first 2,000 records (those drafters train
+  on; ``WorkloadConfig.sharegpt_skip``): the capture tools' trailing text removed
   (:func:`clean_chat`), kept when English-looking (:func:`looks_english`: >= 95 % of the letters
   ASCII, and more English function words than Spanish/French/German/Italian/Portuguese ones) and of
   a bounded length, deduplicated by text, then classified by :func:`classify`.
@@ -113,6 +114,9 @@ class WorkloadConfig:
 
     Attributes:
         sharegpt: ShareGPT first human turns, JSONL ``{id, prompt}`` (``--sharegpt``).
+        sharegpt_skip: leave out the first this many ShareGPT records (``--sharegpt-skip``): drafters are
+            trained on the file's first records (``configs/smollm2-hour.yaml`` takes its first 1,200 of
+            at most 384 tokens and its scheduler skips 2,000 for that reason).
         openwebtext: OpenWebText sample, plain text with blank-line separated paragraphs (``--openwebtext``).
         c4: C4 realnewslike sample, a JSON array of ``{input, output}`` (``--c4``).
         per_train: prompts per category in the train part (``--per-category-train``).
@@ -126,6 +130,7 @@ class WorkloadConfig:
     sharegpt: Path
     openwebtext: Path
     c4: Path
+    sharegpt_skip: int = 2000
     per_train: int = 12
     per_heldout: int = 10
     min_chars: int = 20
@@ -139,6 +144,8 @@ class WorkloadConfig:
                         ("--min-chars", self.min_chars), ("--continuation-words", self.continuation_words)):
             if n < 1:
                 raise ValueError(f"{flag} must be >= 1, got {n}")
+        if self.sharegpt_skip < 0:
+            raise ValueError(f"--sharegpt-skip must be >= 0 (0: use every record), got {self.sharegpt_skip}")
         if self.max_chars < self.min_chars:
             raise ValueError(f"--max-chars ({self.max_chars}) must be >= --min-chars ({self.min_chars})")
         for flag, path in (("--sharegpt", self.sharegpt), ("--openwebtext", self.openwebtext), ("--c4", self.c4)):
@@ -276,10 +283,12 @@ def category_table(split: Split) -> str:
 
 
 def candidates(cfg: WorkloadConfig) -> list[Prompt]:
-    """Every prompt the workload can draw from: classified ShareGPT prompts, then OpenWebText and C4
-    continuation requests (ids ``owt-<paragraph index>``, ``c4-<record index>``)."""
+    """Every prompt the workload can draw from: classified ShareGPT prompts (after the first
+    ``sharegpt_skip`` records), then OpenWebText and C4 continuation requests (ids ``owt-<paragraph
+    index>``, ``c4-<record index>``)."""
     with open(cfg.sharegpt, encoding="utf-8") as f:
-        chat = chat_prompts((json.loads(line) for line in f if line.strip()), cfg.min_chars, cfg.max_chars)
+        records = [json.loads(line) for line in f if line.strip()][cfg.sharegpt_skip:]
+    chat = chat_prompts(records, cfg.min_chars, cfg.max_chars)
     owt = paragraphs(Path(cfg.openwebtext).read_text(encoding="utf-8"))
     c4 = [f"{r['input']} {r['output']}" for r in json.loads(Path(cfg.c4).read_text(encoding="utf-8"))]
     words = cfg.continuation_words

@@ -26,6 +26,8 @@ def parse_config(argv: list[str] | None) -> tuple[WorkloadConfig, Path]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="output directory (train.jsonl, heldout.jsonl)")
     p.add_argument("--sharegpt", type=Path, default=DEFAULTS.sharegpt, help="ShareGPT first human turns, JSONL {id, prompt}")
+    p.add_argument("--sharegpt-skip", type=int, default=DEFAULTS.sharegpt_skip, metavar="N",
+                   help="leave out the first N ShareGPT records (those the shipped configs train drafters on)")
     p.add_argument("--openwebtext", type=Path, default=DEFAULTS.openwebtext, help="OpenWebText sample (plain text)")
     p.add_argument("--c4", type=Path, default=DEFAULTS.c4, help="C4 realnewslike sample, JSON array of {input, output}")
     p.add_argument("--per-category-train", type=int, default=DEFAULTS.per_train, metavar="N")
@@ -37,7 +39,7 @@ def parse_config(argv: list[str] | None) -> tuple[WorkloadConfig, Path]:
     p.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of the stratified split")
     args = p.parse_args(argv)
     cfg = WorkloadConfig(
-        sharegpt=args.sharegpt, openwebtext=args.openwebtext, c4=args.c4, per_train=args.per_category_train,
+        sharegpt=args.sharegpt, sharegpt_skip=args.sharegpt_skip, openwebtext=args.openwebtext, c4=args.c4, per_train=args.per_category_train,
         per_heldout=args.per_category_heldout, min_chars=args.min_chars, max_chars=args.max_chars,
         continuation_words=args.continuation_words, seed=args.seed,
     )

@@ -128,9 +128,32 @@ def test_script_writes_every_category_and_the_files_read_back(tmp_path, capsys):
     assert [(p.id, p.category, p.text) for p in held] == [(r["question_id"], r["category"], r["turns"][0]) for r in records]
     assert all(p.id.startswith(("owt-", "c4-")) == (p.category == CONTINUATION) for p in train + held)
     assert all(p.id.startswith("sharegpt-") and 20 <= len(p.text) <= 1500 for p in train + held if p.category != CONTINUATION)
+    with open(SHAREGPT) as f:  # none of the records drafters train on (the first 2,000)
+        trained = {f"sharegpt-{json.loads(next(f))['id']}" for _ in range(2000)}
+    assert not trained & {p.id for p in train + held}
     # deterministic: building again with the same seed gives the same files' prompts
     again = build(WorkloadConfig(sharegpt=SHAREGPT, openwebtext=OWT, c4=C4))
     assert (again.train, again.heldout) == (train, held)
+
+
+def test_script_says_which_categories_are_short(tmp_path, capsys):
+    """Sources too small for the counts asked: each category takes what there is, and the script says so."""
+    chat = ["Write a poem about the sea", "Write a poem about rain", "What is the tallest mountain?",
+            "Please translate 'cat' into German", "Is a tomato a fruit?", "Why is the sky blue?"]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"id": f"c{i}", "prompt": t}) + "\n" for i, t in enumerate(chat)))
+    (tmp_path / "owt.txt").write_text("one two three four five six\n\ntoo short\n\nseven eight nine ten eleven twelve\n")
+    (tmp_path / "c4.json").write_text(json.dumps([{"input": "a b c", "output": "d e f g"}]))
+    out = tmp_path / "out"
+    assert _script().main(["--out", str(out), "--sharegpt", str(tmp_path / "chat.jsonl"), "--sharegpt-skip", "0",
+                           "--openwebtext", str(tmp_path / "owt.txt"), "--c4", str(tmp_path / "c4.json"),
+                           "--min-chars", "5", "--continuation-words", "5", "--per-category-train", "2",
+                           "--per-category-heldout", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "translation: only 1 prompts for the 4 asked" in printed and "qa: only 3 prompts" in printed
+    assert "writing: only 2" in printed and "continuation: only 3" in printed
+    train, held = read_prompts(out / "train.jsonl"), read_prompts(out / "heldout.jsonl")
+    assert sorted(p.id for p in train + held) == sorted(
+        [f"sharegpt-c{i}" for i in range(6)] + ["c4-0", "owt-0", "owt-2"])
 
 
 @pytest.mark.parametrize(("flags", "named"), [
@@ -138,6 +161,7 @@ def test_script_writes_every_category_and_the_files_read_back(tmp_path, capsys):
     (["--per-category-heldout", "-1"], "--per-category-heldout"),
     (["--sharegpt", "missing.jsonl"], "--sharegpt"),
     (["--min-chars", "100", "--max-chars", "50"], "--max-chars"),
+    (["--sharegpt-skip", "-1"], "--sharegpt-skip"),
 ])
 def test_script_refuses_a_bad_flag_naming_it(flags, named, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
