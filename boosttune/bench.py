@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +25,7 @@ from tqdm import tqdm
 from boosttune import assemble, llama_cpp
 from boosttune.core.models import LoadedModel, eos_token_ids, parse_dtype
 from boosttune.core.prompts import Prompt, encode_prompt, read_prompts
+from boosttune.core.table import text_table
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.draft_vocab import find_ranking
 from boosttune.serving.engine import GenerationResult, Plan
@@ -225,6 +226,40 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def _tokens_per_s(rs: Sequence[GenerationResult]) -> float:
+    """Spec-Bench's tokens/s: the mean over questions of new tokens / wall time (nan: no question)."""
+    return _mean([len(r.tokens) / r.wall_time for r in rs])
+
+
+def _tau(rs: Sequence[GenerationResult]) -> float:
+    """τ: tokens committed per LLM step over all of ``rs`` (nan: no step recorded)."""
+    steps = sum(r.steps for r in rs)
+    return sum(len(r.tokens) for r in rs) / steps if steps else float("nan")
+
+
+def by_category(results: dict[str, list[GenerationResult]], categories: Sequence[str]) -> dict[str, dict]:
+    """Per category (first-appearance order; "" counts as ``"uncategorised"``): its question count and,
+    for each method, tokens/s and τ (None for a method that records no LLM steps: HF's and llama.cpp's).
+
+    Args:
+        results: each method's results, one per question in question order.
+        categories: (Q,) each question's category.
+    """
+    groups: dict[str, list[int]] = {}
+    for q, c in enumerate(categories):
+        groups.setdefault(c or "uncategorised", []).append(q)
+    out = {}
+    for cat, qs in groups.items():
+        methods = {}
+        for m, rs in results.items():
+            assert len(rs) == len(categories), (m, len(rs), len(categories))
+            picked = [rs[q] for q in qs]
+            methods[m] = {"tokens_per_s": _tokens_per_s(picked),
+                          "tau": _tau(picked) if any(r.steps for r in picked) else None}
+        out[cat] = {"questions": len(qs), "methods": methods}
+    return out
+
+
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     """Runs the benchmark, writes DIR/*.jsonl and DIR/summary.json, returns the summary."""
     cfg.validate()
@@ -273,7 +308,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
                 files[m].write(json.dumps(_answer_record(prompt, res, text, m)) + "\n")
                 files[m].flush()
         llama = _llama_summary(cfg, servers, results, eos) if servers else None
-    summary = summarize(results, cfg, served, llama)
+    summary = summarize(results, cfg, served, llama, [p.category for p in prompts])
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -302,8 +337,11 @@ def _llama_summary(cfg: BenchConfig, servers: dict[str, llama_cpp.LlamaServer],
 
 
 def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, served: assemble.Served,
-              llama: dict | None = None) -> dict:
+              llama: dict | None = None, categories: Sequence[str] | None = None) -> dict:
     """Spec-Bench style totals: tokens/s is the mean over questions of new tokens / wall time.
+
+    ``categories``: (Q,) each question's category; ``categories`` then holds :func:`by_category`'s
+    per-category figures (None: not given).
 
     ``llama``: the llama.cpp methods' run details (``_llama_summary``); each such method ``m`` also
     gets ``m_tokens_per_s``, ``m_identical`` (answers token-identical to the baseline's; llama.cpp
@@ -311,7 +349,7 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, serv
     ``m_acceptance`` (draft_n_accepted / draft_n; None when it drafted nothing).
     """
     def tps(m: str) -> float:
-        return _mean([len(r.tokens) / r.wall_time for r in results.get(m, [])])
+        return _tokens_per_s(results.get(m, []))
 
     def same(m: str, ref: str = "baseline") -> int | None:
         """Answers of ``m`` token-identical to ``ref``'s (None: one of them did not run)."""
@@ -321,10 +359,9 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, serv
     ours = results.get("ours", [])
     base = results.get("baseline", [])
     hf = results.get("hf_assisted", [])
-    steps = sum(r.steps for r in ours)
     summary = {
         "total": len(next(iter(results.values()))),
-        "tau": sum(len(r.tokens) for r in ours) / steps if steps else float("nan"),
+        "tau": _tau(ours),
         "tokens_per_s": tps("ours"),
         "baseline_tokens_per_s": tps("baseline"),
         "llm_runner": type(served.engine.llm).__name__,  # baseline's and ours' LLM forward
@@ -360,6 +397,7 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, serv
         if m != "llama" and "llama" in results:  # llama.cpp's speculation against its own plain decoding
             info["identical_to_llama"] = same(m, "llama")
     summary["llama_cpp"] = llama
+    summary["categories"] = by_category(results, categories) if categories is not None else None
     return summary
 
 
@@ -386,9 +424,7 @@ def format_table(summary: dict) -> str:
     for m in (summary.get("llama_cpp") or {}).get("methods", {}):
         rows.append((f"{m} (llama.cpp)", f"{summary[f'{m}_tokens_per_s']:.2f}", "-", _fmt(summary[f"{m}_acceptance"]),
                      _ratio(summary[f"{m}_tokens_per_s"], base), _fmt_int(summary[f"{m}_identical"])))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = text_table(rows)
     footer = (f"dtype={summary['dtype']} (SSMs {summary['ssm_dtype']})  LLM runner={summary.get('llm_runner')}  "
               f"questions={summary['total']}  "
               f"threads={summary['threads']}  greedy_identical={summary['greedy_identical']}")
@@ -398,6 +434,26 @@ def format_table(summary: dict) -> str:
     if summary.get("plans"):
         lines.append("ours drafted with: " + "; ".join(f"{label} x{n}" for label, n in summary["plans"].items()))
     return "\n".join(lines)
+
+
+def format_category_table(summary: dict) -> str:
+    """The per-category figures as a compact text table: questions, each method's tokens/s, τ where a
+    speculative method recorded it (plain decoding's is 1), ours' speedup over the baseline; "" when
+    the questions have fewer than two categories."""
+    cats = summary.get("categories") or {}
+    if len(cats) < 2:
+        return ""
+    methods = list(next(iter(cats.values()))["methods"])
+    taus = [m for m in methods if m != "baseline" and any(c["methods"][m]["tau"] is not None for c in cats.values())]
+    speedup = "baseline" in methods and "ours" in methods
+    rows = [("category", "n", *(f"{m} tok/s" for m in methods), *(f"{m} tau" for m in taus),
+             *(["speedup"] if speedup else []))]
+    for cat, c in cats.items():
+        f = c["methods"]
+        rows.append((cat, str(c["questions"]), *(f"{f[m]['tokens_per_s']:.2f}" for m in methods),
+                     *(_fmt(f[m]["tau"]) for m in taus),
+                     *([_ratio(f["ours"]["tokens_per_s"], f["baseline"]["tokens_per_s"])] if speedup else [])))
+    return "\n".join(text_table(rows))
 
 
 def _ratio(a: float, b: float) -> str:

@@ -384,3 +384,50 @@ def test_llama_methods_with_a_bundle_of_the_default_llm_take_its_gguf(tmp_path, 
                       methods=("baseline", "ours", "llama"), llama_server=sys.executable)
     with pytest.raises(ValueError, match="--llm-gguf.*tiny-random"):
         cfg.llama_paths()
+
+
+def test_bench_reports_each_category_of_a_mixed_question_file(tiny_dirs, tmp_path, capsys):
+    """Questions of two categories: summary.json's ``categories`` holds per-category tokens/s and τ that
+    the answer files reproduce, and a per-category table follows the main one."""
+    rows = [json.loads(line) for line in MT_BENCH.read_text().splitlines()]
+    picked = [rows[0], rows[10], rows[1]]  # writing, roleplay, writing
+    questions = tmp_path / "mixed.jsonl"
+    questions.write_text("".join(json.dumps(r) + "\n" for r in picked))
+    out = tmp_path / "bench"
+    assert main(["bench", "--llm", str(tiny_dirs / "llm"), "--ssm", str(tiny_dirs / "ssm"), "--questions", str(questions),
+                 "--max-new-tokens", "8", "--widths", "2,1", "--methods", "baseline,ours", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    cats = summary["categories"]
+    assert list(cats) == ["writing", "roleplay"] and [c["questions"] for c in cats.values()] == [2, 1]
+    for method in ["baseline", "ours"]:
+        answers = [json.loads(line)["choices"][0] for line in (out / f"{method}.jsonl").read_text().splitlines()]
+        for cat, qs in [("writing", [0, 2]), ("roleplay", [1])]:
+            figures = cats[cat]["methods"][method]
+            tokens = sum(answers[q]["new_tokens"][0] for q in qs)
+            assert figures["tau"] == pytest.approx(tokens / sum(len(answers[q]["accept_lengths"]) for q in qs))
+            tps = sum(answers[q]["new_tokens"][0] / answers[q]["wall_time"][0] for q in qs) / len(qs)
+            assert figures["tokens_per_s"] == pytest.approx(tps)
+    assert summary["greedy_identical"] == 3  # the rest of the summary as before
+    printed = capsys.readouterr().out
+    table = printed[printed.index("category "):].splitlines()
+    assert table[0].split() == ["category", "n", "baseline", "tok/s", "ours", "tok/s", "ours", "tau", "speedup"]
+    assert [line.split()[:2] for line in table[2:4]] == [["writing", "2"], ["roleplay", "1"]]
+
+
+def test_by_category_groups_questions_and_leaves_tau_out_where_no_step_was_recorded():
+    from boosttune.bench import by_category
+    from boosttune.serving.engine import GenerationResult
+
+    def res(n: int, wall: float, accepts: list[int]) -> GenerationResult:
+        return GenerationResult(tokens=list(range(n)), accept_lengths=accepts, wall_time=wall, finish_reason="length")
+
+    results = {
+        "ours": [res(6, 1.0, [3, 3]), res(4, 2.0, [1, 1, 2]), res(2, 1.0, [2])],
+        "hf_assisted": [res(6, 2.0, []), res(4, 1.0, []), res(2, 0.5, [])],
+    }
+    cats = by_category(results, ["code", "", "code"])
+    assert list(cats) == ["code", "uncategorised"]
+    assert cats["code"]["questions"] == 2 and cats["uncategorised"]["questions"] == 1
+    assert cats["code"]["methods"]["ours"] == {"tokens_per_s": pytest.approx((6 + 2) / 2), "tau": pytest.approx(8 / 3)}
+    assert cats["uncategorised"]["methods"]["ours"] == {"tokens_per_s": pytest.approx(2.0), "tau": pytest.approx(4 / 3)}
+    assert cats["code"]["methods"]["hf_assisted"] == {"tokens_per_s": pytest.approx((3 + 4) / 2), "tau": None}

@@ -45,7 +45,7 @@ def add_commands(sub) -> dict:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from boosttune.bench import BenchConfig, format_table, run_bench
+    from boosttune.bench import BenchConfig, format_category_table, format_table, run_bench
     from boosttune.llama_cpp import LlamaServerError
 
     methods = None if args.methods is None else tuple(m.strip() for m in args.methods.split(",") if m.strip())
@@ -63,6 +63,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"boosttune bench: llama-server failed: {e}", file=sys.stderr)
         return 1
     print(format_table(summary))
+    if per_category := format_category_table(summary):
+        print(per_category)
     print(json.dumps(summary, indent=2))
     return 0
 
