@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
 LAYER = {package: i for i, packages in enumerate(LAYERS) for package in packages}
 # The order inside the ``boosttune`` package's own layer: its top-level modules, lowest first.
 BOOSTTUNE_MODULES: list[tuple[str, ...]] = [
-    ("boosttune", "boosttune.config", "boosttune.llama_cpp"),  # typed configs; the llama.cpp peer
+    ("boosttune", "boosttune.config", "boosttune.llama_cpp", "boosttune.workload"),  # typed configs; the llama.cpp peer; request sets
     ("boosttune.assemble",),  # the one engine assembly
     ("boosttune.bench",),  # benchmarks through assemble and the peers
 ]
