@@ -8,20 +8,24 @@ shared, nothing is generated again) in which `boosttune train` trains only the f
 left out (``scheduler.prompts=null``). The variants:
 - ``weighted``: head k's loss weighted down where heads 1..k-1 already cover the LLM's token;
 - ``independent``: the same N heads on the same data with other seeds (the ensemble baseline);
-- ``single``: one head for N x minutes (the "more training" baseline); the source run's own head when
-  it was trained that long with the same settings, else trained here.
+- ``single``: one head for N x the budget (the "more training" baseline); the source run's own head when
+  it was trained that long, else trained here.
+A head's budget is minutes (``--minutes``) or, where other work shares the CPU and minutes would buy
+different numbers of steps, steps (``--steps``).
 
 Then, on ``--questions`` (the LLM's greedy fp32 answers, written once for all variants), each head's
 top-k coverage and each variant's union coverage, overall and per category (``scripts/coverage.py``),
 next to what each variant's own evaluation measured (τ and speed-up of its heads merged, with prompt
 lookup). ``OUT/ablation.json`` holds the figures, the boosted variant's report.json gains
 ``ensemble_gain_over_independent`` and ``ensemble_gain_over_longer_single`` (union top-k coverage on the
-questions, relative) under ``feature``, and the `boosttune export` / `boosttune bench` commands that
-measure each variant as served are printed.
+questions, relative) under ``feature``. The table also gives each variant's coverage with N x k candidates
+in all, which for the single head means a tree as wide as an ensemble's merged first level. The
+`boosttune export` / `boosttune bench` commands that measure each variant as served are printed.
 
 Usage:
     python scripts/ablate_heads.py runs/demo --heads 2 --minutes 2.5 \\
         --questions ../shared/data/mt_bench/question.jsonl [--limit 80] [--out runs/demo-heads]
+    python scripts/ablate_heads.py runs/demo --heads 2 --steps 400 --questions ...   (equal steps, not minutes)
 """
 
 from __future__ import annotations
@@ -74,24 +78,35 @@ def link_copy(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, ignore=ignore, copy_function=link)
 
 
-def train_variant(src: Path, dst: Path, heads: int, minutes: float, boost: str) -> dict:
+def budget(minutes: float, steps: int, times: int = 1) -> list[str]:
+    """The ``feature:`` overrides for one head's budget: ``times`` x ``steps`` steps, else x ``minutes``."""
+    if steps:
+        return ["feature.minutes=0", f"feature.max_steps={steps * times}"]
+    return [f"feature.minutes={minutes * times}", "feature.max_steps=0"]
+
+
+def train_variant(src: Path, dst: Path, heads: int, boost: str, limits: list[str]) -> dict:
     """Train the heads of one variant (a fresh copy unless ``dst`` is a finished one); its report."""
     if not (dst / "report.json").is_file():
         shutil.rmtree(dst, ignore_errors=True)
         link_copy(src, dst)
     cmd = [sys.executable, "-m", "boosttune.cli", "train", "--config", str(src / "config.yaml"), "--run-dir", str(dst),
-           f"feature.heads={heads}", f"feature.minutes={minutes}", f"feature.boost={boost}", "scheduler.prompts=null"]
+           f"feature.heads={heads}", f"feature.boost={boost}", *limits, "scheduler.prompts=null"]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     return json.loads((dst / "report.json").read_text())
 
 
-def reusable_single(src: Path, minutes: float) -> bool:
-    """Whether the source run's own head is the ``single`` baseline (trained ``minutes``, one head)."""
+def reusable_single(src: Path, minutes: float, steps: int) -> bool:
+    """Whether the source run's own head is the ``single`` baseline: trained ``steps`` steps (when given,
+    however its budget was set), else ``minutes``."""
     stats = src / "ssms" / "feature" / "stats.json"
     if not is_complete(src / "ssms" / "feature") or not stats.is_file():
         return False
-    return abs(float(json.loads(stats.read_text())["config"]["minutes"]) - minutes) < 1e-6
+    s = json.loads(stats.read_text())
+    if steps:
+        return int(s["train"]["steps"]) == steps
+    return not s["config"].get("max_steps") and abs(float(s["config"]["minutes"]) - minutes) < 1e-6
 
 
 def head_dirs(run: Path) -> list[Path]:
@@ -106,6 +121,7 @@ def variant_row(name: str, run: Path, report: dict, cov: dict, names: list[str])
     heads = report.get("feature", {}).get("heads") or [{"head": "feature", **report.get("feature", {})}]
     return {"variant": name, "run": str(run), "heads": names,
             "minutes_each": float(report["feature"]["config"]["minutes"]),
+            "seconds": [h.get("seconds", h.get("train", {}).get("seconds")) for h in heads],
             "steps": [h.get("steps", h.get("train", {}).get("steps")) for h in heads],
             "coverage": cov["all"]["topk"], "union_coverage": cov["all"]["union_topk"],
             "union_top1": cov["all"]["union_top1"],
@@ -116,8 +132,9 @@ def variant_row(name: str, run: Path, report: dict, cov: dict, names: list[str])
 
 
 def format_rows(rows: list[dict], k: int) -> str:
-    lines = [f"| variant | heads x minutes | steps | each head's top-{k} | union top-1 | union top-{k} | held-out union | "
-             "eval τ | eval τ + lookup | eval speed-up + lookup |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| variant | heads | steps | seconds | each head's top-{k} | union top-1 | union top-{k} | "
+             "N x k candidates in all | held-out union | eval τ | eval τ + lookup | eval speed-up + lookup |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         each = " / ".join(f"{c:.3f}" for c in r["coverage"])
         held = f"{r['heldout_union_coverage']:.3f}" if r["heldout_union_coverage"] is not None else "-"
@@ -125,8 +142,9 @@ def format_rows(rows: list[dict], k: int) -> str:
         def f(x, fmt="{:.3f}"):
             return fmt.format(x) if x is not None else "-"
 
-        lines.append(f"| {r['variant']} | {len(r['heads'])} x {r['minutes_each']:g} | {'/'.join(map(str, r['steps']))} | "
-                     f"{each} | {r['union_top1']:.3f} | {r['union_coverage']:.3f} | {held} | {f(r['eval_tau'])} | "
+        secs = "/".join(f"{x:.0f}" for x in r["seconds"] if x is not None)
+        lines.append(f"| {r['variant']} | {len(r['heads'])} | {'/'.join(map(str, r['steps']))} | {secs} | "
+                     f"{each} | {r['union_top1']:.3f} | {r['union_coverage']:.3f} | {r['union_same_candidates']:.3f} | {held} | {f(r['eval_tau'])} | "
                      f"{f(r['eval_tau_lookup'])} | {f(r['eval_speedup_lookup'], '{:.2f}x')} |")
     return "\n".join(lines)
 
@@ -142,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run", type=Path, help="a finished `boosttune train` run (teacher shards and features)")
     p.add_argument("--heads", type=int, default=2, help="heads per ensemble (N)")
-    p.add_argument("--minutes", type=float, required=True, help="training minutes per head (single: N x this)")
+    p.add_argument("--minutes", type=float, default=0.0, help="training minutes per head (single: N x this)")
+    p.add_argument("--steps", type=int, default=0, help="training steps per head instead of minutes (single: N x this); "
+                   "fair where other work shares the CPU")
     p.add_argument("--questions", required=True, help="JSONL questions for the coverage figures (MT-bench's)")
     p.add_argument("--limit", type=int, default=0, help="the first N questions (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -151,8 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not (args.run / "report.json").is_file() or not (args.run / "config.yaml").is_file():
         p.error(f"run: {args.run} is not a finished `boosttune train` run (no report.json / config.yaml)")
-    if args.heads < 2 or args.minutes <= 0 or args.limit < 0 or args.top < 0:
-        p.error("--heads must be >= 2, --minutes > 0, --limit and --top >= 0")
+    if args.heads < 2 or args.minutes < 0 or args.steps < 0 or args.limit < 0 or args.top < 0:
+        p.error("--heads must be >= 2, --minutes, --steps, --limit and --top >= 0")
+    if bool(args.minutes) == bool(args.steps):
+        p.error("give one of --minutes and --steps (the budget of each head)")
     if not Path(args.questions).is_file():
         p.error(f"--questions: {args.questions} not found")
     out = args.out or args.run.with_name(args.run.name + "-heads")
@@ -161,13 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     variants: dict[str, tuple[Path, dict]] = {}
     for mode in ("weighted", "independent"):
         d = out / mode
-        variants[mode] = (d, train_variant(args.run, d, args.heads, args.minutes, mode))
-    longer = args.heads * args.minutes
-    if reusable_single(args.run, longer):
+        variants[mode] = (d, train_variant(args.run, d, args.heads, mode, budget(args.minutes, args.steps)))
+    if reusable_single(args.run, args.heads * args.minutes, args.heads * args.steps):
         variants["single"] = (args.run, json.loads((args.run / "report.json").read_text()))
     else:
         d = out / "single"
-        variants["single"] = (d, train_variant(args.run, d, 1, longer, "weighted"))
+        variants["single"] = (d, train_variant(args.run, d, 1, "weighted", budget(args.minutes, args.steps, args.heads)))
 
     cov_mod = _coverage_script()
     llm = load_model(str(RunDir(args.run).llm_dir()), dtype=torch.float32)
@@ -189,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         ranks = [cov_mod.drafter_ranks(m, answers, rows) for m in models]
         cov = coverage_by_category(ranks, categories, k)
         row = variant_row(name, run, report, cov, [d.name for d in dirs])
+        # as many candidates as an ensemble's merged first level (N x k): the single head with a wider tree
+        row["union_same_candidates"] = row["union_coverage"] if name != "single" else \
+            coverage_by_category(ranks, categories, k * args.heads)["all"]["union_topk"]
         table.append(row)
         figures[name] = cov
     union = {r["variant"]: r["union_coverage"] for r in table}

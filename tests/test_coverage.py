@@ -150,3 +150,40 @@ def test_coverage_script_reads_answers_from_a_bench_output(tmp_path, capsys) -> 
     n = len(script.load_drafters(run, None)[0].tokenizer("Paris is nice.", add_special_tokens=False)["input_ids"])
     assert table["categories"]["all"]["tokens"] == 2 * n
     capsys.readouterr()
+
+
+# --------------------------------------------------------------------------- scripts/ablate_heads.py
+def _ablate_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "ablate_heads.py"
+    spec = importlib.util.spec_from_file_location("ablate_heads_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ablation_variants_share_the_run_but_not_its_heads_or_scheduler(tmp_path) -> None:
+    """A variant is the run's hard-linked copy without its feature heads, scheduler and report (it trains
+    and writes its own); its budget is per head, the longer single head's N times that."""
+    import json
+
+    script = _ablate_script()
+    src = tmp_path / "run"
+    for rel in ("config.yaml", "report.json", "teacher/shard-00000.arrow", "ssms/ssm-1/model.safetensors",
+                "ssms/feature/model.safetensors", "ssms/feature-2/model.safetensors", "scheduler/scheduler.json",
+                "scheduler_costs.json", "stages/stage-1/summary.json"):
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(rel)
+    script.link_copy(src, tmp_path / "v")
+    kept = sorted(str(p.relative_to(tmp_path / "v")) for p in (tmp_path / "v").rglob("*") if p.is_file())
+    assert kept == ["config.yaml", "ssms/ssm-1/model.safetensors", "stages/stage-1/summary.json", "teacher/shard-00000.arrow"]
+    assert (tmp_path / "v" / "teacher" / "shard-00000.arrow").stat().st_ino == (src / "teacher" / "shard-00000.arrow").stat().st_ino
+    assert script.budget(2.5, 0, 2) == ["feature.minutes=5.0", "feature.max_steps=0"]
+    assert script.budget(0, 200, 2) == ["feature.minutes=0", "feature.max_steps=400"]
+    (src / "ssms" / "feature" / "complete.json").write_text("{}")
+    (src / "ssms" / "feature" / "stats.json").write_text(json.dumps({"config": {"minutes": 5.0, "max_steps": 0},
+                                                                     "train": {"steps": 400}}))
+    assert script.reusable_single(src, 5.0, 0) and script.reusable_single(src, 0, 400)
+    assert not script.reusable_single(src, 2.5, 0) and not script.reusable_single(src, 0, 200)
