@@ -84,16 +84,20 @@ def test_coverage_by_category_groups_answers() -> None:
 
 
 # ------------------------------------------------------------------------------ scripts/coverage.py
-def _coverage_script():
-    """scripts/coverage.py (not a package), loaded from its file."""
+def _script(name: str):
+    """scripts/NAME.py (not a package), loaded from its file."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "coverage.py"
-    spec = importlib.util.spec_from_file_location("coverage_script", path)
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_script", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _coverage_script():
+    return _script("coverage")
 
 
 def test_coverage_script_on_a_run_and_its_bundle(tmp_path, capsys) -> None:
@@ -153,23 +157,12 @@ def test_coverage_script_reads_answers_from_a_bench_output(tmp_path, capsys) -> 
 
 
 # --------------------------------------------------------------------------- scripts/ablate_heads.py
-def _ablate_script():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "ablate_heads.py"
-    spec = importlib.util.spec_from_file_location("ablate_heads_script", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_ablation_variants_share_the_run_but_not_its_heads_or_scheduler(tmp_path) -> None:
     """A variant is the run's hard-linked copy without its feature heads, scheduler and report (it trains
     and writes its own); its budget is per head, the longer single head's N times that."""
     import json
 
-    script = _ablate_script()
+    script = _script("ablate_heads")
     src = tmp_path / "run"
     for rel in ("config.yaml", "report.json", "teacher/shard-00000.arrow", "ssms/ssm-1/model.safetensors",
                 "ssms/feature/model.safetensors", "ssms/feature-2/model.safetensors", "scheduler/scheduler.json",
