@@ -87,6 +87,16 @@ def test_readme_commands_and_flags_exist() -> None:
                     pytest.fail(f"`boosttune {sub}{rest}` does not parse: {err.getvalue().strip()}")
 
 
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_docs_commands_and_flags_exist(doc: Path) -> None:
+    """docs/ keep the commands that measured each figure: their subcommands and flags still exist."""
+    parsers = subparsers()
+    for sub, rest, _ in invocations(doc.read_text()):
+        assert sub in parsers, f"{doc.name} names `boosttune {sub}`, which the CLI lacks ({sorted(parsers)})"
+        for flag in FLAG.findall(rest):
+            assert flag in parsers[sub]._option_string_actions, f"{doc.name}: `boosttune {sub}` lacks {flag}"
+
+
 def test_readme_train_overrides_name_config_fields() -> None:
     """`boosttune train --config FILE ... section.field=value`: every field exists and takes its value."""
     trains = [rest for sub, rest, _ in invocations(README.read_text()) if sub == "train"]
