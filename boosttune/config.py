@@ -253,7 +253,7 @@ class FeatureConfig:
             cross-entropy against p (soft targets; EAGLE's), ``ce`` against p's argmax (hard targets),
             ``tv`` total variation (one minus speculative sampling's acceptance), ``kl+tv`` both.
             ``kl`` guessed best on MT-bench (5-minute demo heads on 96.8k teacher tokens: top-1 0.343
-            against 0.298 / 0.319 / 0.331; README, *The classification loss*).
+            against 0.298 / 0.319 / 0.331; docs/measurements.md, "the classification loss").
         heads: how many feature heads to train (``ssms/feature``, then ``ssms/feature-2`` ...), each for
             ``minutes``; a bundle serves them merged into one tree, as it merges SSMs.
         boost: what head k > 1 trains on: ``weighted`` (collective boost-tuning for heads: each answer

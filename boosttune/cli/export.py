@@ -100,7 +100,8 @@ def _choice_line(choice: Choice) -> str:
             f"{choice.speedup:.2f}x plain decoding on its held-out requests")
     line += f" (others: {others})" if others else ""
     if choice.speedup < 1.0:
-        line += "; slower than plain decoding there: train longer or with more data (README, 'SSMs that pay')"
+        line += ("; slower than plain decoding there: train longer or with more data "
+                 "(docs/measurements.md, 'Drafter recipes')")
     return line + "; --drafters NAMES ships others"
 
 

@@ -372,7 +372,7 @@ _MIN_KEYS_PER_SPLIT = 256
 # Automatic splitting starts at this many keys. Measured on an H200 (bf16, B=1, LLaMA-2-7B and SmolLM2
 # head shapes, T = 1..64): at P = 512 the single pass won 7 of 8 shapes (the split path's second
 # launch and scratch buffer cost more than the parallelism gains); at P = 8192 the split path won
-# 7 of 8, by up to 7x; at P = 2048 they split evenly (README, "GPU").
+# 7 of 8, by up to 7x; at P = 2048 they split evenly (docs/measurements.md, "GPU").
 _MIN_KEYS_TO_SPLIT = 1024
 _PROGRAMS_PER_SM = 2
 _COMBINE_BLOCK_NS = 16  # splits merged per step of _combine_splits (fixed: one compile for any count)

@@ -4,7 +4,7 @@
 with few decoder layers:
 - ``ssm.layers = [i, j, ...]`` copies those LLM layers, with the LLM's embeddings and final norm;
   DESIGN.md measured truncated LLM layers at 3-6 % top-1 agreement before training; the first stage
-  of configs/smollm2-demo.yaml takes layers 0-3 of SmolLM2 to 31 % held-out top-1 (README, Training).
+  of configs/smollm2-demo.yaml takes layers 0-3 of SmolLM2 to 31 % held-out top-1 (docs/measurements.md, "Boost-tuning").
 - ``ssm.layers = []`` with ``ssm.num_layers = n`` and optionally ``ssm.hidden_size = h`` makes fresh
   layers; a narrower width gets the LLM's embeddings projected onto their top-``h`` principal
   directions, so the SSM starts in the LLM's token geometry.
