@@ -585,7 +585,8 @@ class ServerThread:
 
 class _AnnouncingServer(uvicorn.Server):
     """uvicorn's server that prints the start-up block (``banner.py``) once its sockets listen: the models
-    are loaded and warmed up by then (the app's lifespan runs first), so the block means "ready"."""
+    are loaded by then and the engine worker started (the app's lifespan runs first; its warm-up, on the
+    worker's thread, may still be finishing, and a first request waits for it in the queue)."""
 
     def __init__(self, config: uvicorn.Config, state: _State):
         super().__init__(config)
