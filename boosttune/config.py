@@ -57,7 +57,9 @@ class SourceConfig:
     chunk: bool | None = None
     """Cut documents into prompt chunks (default: yes for openwebtext/dataset, no otherwise)."""
     split: str = "train"
+    """dataset/openwebtext: the split to read."""
     text_column: str = "text"
+    """dataset: the column that holds each row's text."""
     streaming: bool = True
     """Hub datasets stream (no full download); local paths are read directly."""
 
@@ -65,6 +67,7 @@ class SourceConfig:
 @dataclass
 class PromptsConfig:
     sources: list[SourceConfig] = field(default_factory=lambda: [SourceConfig()])
+    """Where prompts come from: a list of sources (mappings; the default is the embedded seeds alone)."""
     chunk_tokens: int = 64
     """Corpus chunks: prompt length in tokens (the LLM continues from the chunk's end)."""
     max_prompt_tokens: int = 384
@@ -74,6 +77,7 @@ class PromptsConfig:
     held_out: float = 0.1
     """Fraction (< 1) or count (>= 1) of prompts kept out of training for match rates."""
     shuffle_seed: int = 0
+    """Seed of the shuffle before the held-out split (and of prompt growth)."""
 
 
 TeacherBackendName = Literal["auto", "batched", "hf", "openai"]
@@ -85,12 +89,15 @@ TEACHER_BACKENDS: tuple[str, ...] = typing.get_args(TeacherBackendName)
 @dataclass
 class TeacherConfig:
     max_new_tokens: int = 128
+    """Length of the LLM's continuation of each prompt (it stops earlier at end of sequence)."""
     batch_size: int = 32
+    """Prompts the local backends generate for at once (and prompt growth's batch)."""
     shard_size: int = 128
     """Prompts per shard (the unit of resumption)."""
     temperature: float = 0.0
     """0 = greedy continuations (what greedy verification accepts)."""
     top_p: float = 1.0
+    """Nucleus sampling's mass when ``temperature`` > 0 (1 = the whole distribution)."""
     topk_logprobs: int = 0
     """Keep the LLM's top-k log-probs per position for a KL/TV loss (0 = off)."""
     backend: TeacherBackendName = "auto"
@@ -130,10 +137,15 @@ class SSMInitConfig:
 @dataclass
 class LoRAConfig:
     enabled: bool = False
+    """Train LoRA adapters instead of the SSM's weights (needs ``peft``); merged into the SSM before it is saved."""
     r: int = 16
+    """Rank of the adapters."""
     alpha: int = 32
+    """LoRA's scaling numerator (the update is scaled by alpha / r)."""
     dropout: float = 0.0
+    """Dropout on the adapters' input."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Names of the linear layers that get adapters."""
 
 
 @dataclass
@@ -145,15 +157,21 @@ class OptimConfig:
     batch_tokens: int = 4096
     """Padded tokens per micro-batch (length-bucketed)."""
     grad_accum: int = 1
+    """Micro-batches per optimizer step."""
     lr: float = 8e-4
+    """AdamW's peak learning rate (after warm-up)."""
     warmup_steps: int = 20
+    """Steps of linear warm-up from 0 to ``lr``."""
     weight_decay: float = 0.01
+    """AdamW's decoupled weight decay."""
     min_lr_ratio: float = 0.1
     """Cosine decay ends at lr * min_lr_ratio."""
     grad_clip: float = 1.0
+    """Clip the gradients' norm to this (0: no clipping)."""
     loss: Literal["ce", "ce+kl", "ce+tv"] = "ce"
     """Cross-entropy on the LLM's tokens, optionally plus KL or TV to the teacher's top-k."""
     distill_weight: float = 1.0
+    """Weight of the KL or TV term of ``ce+kl`` / ``ce+tv`` (the cross-entropy's is 1)."""
     precision: str = "auto"
     """Lightning precision: 'auto' (bf16-mixed where the device supports it), '32-true', ..."""
     strategy: str = "auto"
@@ -161,13 +179,17 @@ class OptimConfig:
     deepspeed_config: str = ""
     """A DeepSpeed JSON (configs/deepspeed/*.json); batch/optimizer fields come from this config."""
     accelerator: str = "auto"
+    """Lightning accelerator: 'auto', 'cpu', 'gpu', ..."""
     devices: int = 1
     """Processes per node. >1 on CPU launches a local DDP (gloo) run of the whole pipeline."""
     num_nodes: int = 1
+    """Machines of a multi-node run (each runs ``devices`` processes)."""
     checkpoint_every: int = 50
     """Steps between checkpoints (resume points)."""
     logger: Literal["csv", "tensorboard", "none"] = "csv"
+    """Training metrics of each stage: CSV (``stages/stage-K/logs``), TensorBoard (``stages/stage-K/tb``) or none."""
     seed: int = 0
+    """Seed of the teacher's sampling and of each stage's data order (stage k uses ``seed + k``)."""
 
 
 @dataclass
@@ -176,7 +198,9 @@ class MatchConfig:
     """prefix: the SSM's teacher-forced greedy tokens equal the LLM's first ``k`` tokens;
     fraction: they equal the LLM's tokens on at least ``fraction`` of the first ``k`` positions."""
     k: int = 32
+    """How many of the LLM's first tokens are compared."""
     fraction: float = 0.5
+    """``fraction``: the share of the first ``k`` positions that must agree."""
 
 
 BoostMode = Literal["match", "quantile", "weighted", "independent"]
@@ -304,10 +328,13 @@ class FeatureConfig:
 @dataclass
 class EvalConfig:
     enabled: bool = True
+    """Measure τ and speed-up of every drafter (alone and merged) when training ends."""
     prompts: str = ""
     """Chat prompts for τ (JSONL/text); empty = the held-out prompts of this run."""
     limit: int = 8
+    """At most this many prompts (0 = all)."""
     max_new_tokens: int = 64
+    """Tokens generated per prompt."""
     prompt_lookup: int = 8
     """Each drafter option is also measured merged with a prompt-lookup drafter of chains up to this
     long (0: not); export ships lookup with the drafters when that was the fastest option."""

@@ -35,22 +35,31 @@ PACKAGES = {  # import name -> folder in the repository
 FOREIGN = ["kernels", "scheduler", "serving"]  # must not be importable as top-level modules
 
 # Run by the fresh environment's python: where each module comes from, whether the foreign names
-# resolve, and which non-stdlib modules importing ours pulled in.
+# resolve, which non-stdlib modules importing ours pulled in, and the default prompts' line count (the
+# data files install with the code: sources.py reads them through importlib.resources).
 PROBE = f"""
-import importlib, importlib.util, json, sys
+import importlib, importlib.resources, importlib.util, json, sys
 files = {{name: importlib.import_module(name).__file__ for name in {list(PACKAGES)!r}}}
 foreign = {{name: importlib.util.find_spec(name) is not None for name in {FOREIGN!r}}}
 loaded = sorted({{m.split(".")[0] for m in sys.modules}} - set(sys.stdlib_module_names) - {{"__main__"}})
-print(json.dumps({{"files": files, "foreign": foreign, "loaded": loaded}}))
+seeds = importlib.resources.files("boosttune.data").joinpath("prompts/seeds.jsonl").read_text(encoding="utf-8")
+print(json.dumps({{"files": files, "foreign": foreign, "loaded": loaded, "seeds": len(seeds.splitlines())}}))
 """
 
 
-def run(*args: str | Path, cwd: Path | None = None) -> str:
+def run(*args: str | Path, cwd: Path | None = None, stderr: bool = False) -> str:
+    """The command's standard output (``stderr``: followed by its standard error); it must succeed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     result = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True)
     assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
-    return result.stdout
+    return result.stdout + (result.stderr if stderr else "")
+
+
+def no_packaging_warnings(build_output: str) -> None:
+    """setuptools found nothing to warn about in our packaging (a data folder left out of ``packages``
+    printed a screenful at every install)."""
+    assert "_Warning:" not in build_output and "`packages` configuration" not in build_output, build_output
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +100,9 @@ def site_packages(venv: Path) -> Path:
 def test_wheel_install(source_copy: Path) -> None:
     work = source_copy.parent
     dist = work / "dist"
-    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", dist,
-        source_copy)  # fmt: skip
+    built = run(sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "--no-index",
+                "-w", dist, source_copy, stderr=True)  # fmt: skip
+    no_packaging_warnings(built)
     (wheel,) = dist.glob("boosttune-*.whl")
     venv = work / "venv-wheel"
     python = fresh_venv(venv)
@@ -107,6 +117,7 @@ def test_wheel_install(source_copy: Path) -> None:
         assert Path(file).resolve() == expected, name
     assert not any(result["foreign"].values()), result["foreign"]
     assert result["loaded"] == ["boosttune"]  # no torch, transformers, ... at package import time
+    assert result["seeds"] > 10
     assert not any((site / name).exists() for name in FOREIGN)
 
 
@@ -119,8 +130,9 @@ def test_editable_install(source_copy: Path) -> None:
     # Not `pip install --prefix VENV -e`: that uninstalls this environment's own boosttune first.
     dist = work / "dist-editable"
     dist.mkdir()
-    run(sys.executable, "-c", f"from setuptools import build_meta; print(build_meta.build_editable({str(dist)!r}))",
-        cwd=source_copy)
+    built = run(sys.executable, "-c", f"from setuptools import build_meta; print(build_meta.build_editable({str(dist)!r}))",
+                cwd=source_copy, stderr=True)
+    no_packaging_warnings(built)
     (wheel,) = dist.glob("*.whl")
     run(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", wheel)
 
@@ -132,6 +144,7 @@ def test_editable_install(source_copy: Path) -> None:
         assert Path(result["files"][name]).resolve() == expected, name
     assert not any(result["foreign"].values()), result["foreign"]
     assert [m for m in result["loaded"] if not m.startswith("__editable__")] == ["boosttune"]
+    assert result["seeds"] > 10
 
 
 def test_no_top_level_folder_shadows_an_installed_module() -> None:

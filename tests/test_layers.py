@@ -33,6 +33,8 @@ LAYER = {package: i for i, packages in enumerate(LAYERS) for package in packages
 # The order inside the ``boosttune`` package's own layer: its top-level modules, lowest first.
 BOOSTTUNE_MODULES: list[tuple[str, ...]] = [
     ("boosttune", "boosttune.config", "boosttune.llama_cpp", "boosttune.workload"),  # typed configs; the llama.cpp peer; request sets
+    ("boosttune.report",),  # a run's summary (reads the run's config)
+    ("boosttune.report_plot",),  # its figure
     ("boosttune.assemble",),  # the one engine assembly
     ("boosttune.bench",),  # benchmarks through assemble and the peers
 ]

@@ -195,7 +195,7 @@ def test_generate_serve_and_bench_assemble_the_same_engine_from_one_bundle(run_d
         return built[-1]
 
     monkeypatch.setattr(assemble, "from_bundle", spy)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)  # serve assembles, then would listen
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)  # serve assembles, then would listen
     extra = ["--no-scheduler"] if no_scheduler else []
     assert main(["generate", bundle, "Name three colours.", "--max-new-tokens", "2", *extra]) == 0
     assert main(["serve", bundle, "--port", "0", *extra]) == 0

@@ -7,6 +7,7 @@ error event and [DONE], and `boosttune serve` exits 0."""
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import socket
 import subprocess
@@ -349,6 +350,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_startup_block(output: str, port: int) -> None:
+    """Once it listens, `boosttune serve` says where, under which model name, with what, and how to ask; the
+    curl line it gives gets an answer."""
+    url = f"http://127.0.0.1:{port}/v1"
+    lines = output.splitlines()
+    start = lines.index(f"boosttune serve: listening on {url}")
+    block = dict(line.strip().split(":", 1) for line in lines[start + 1:start + 5])
+    assert block["model"].split() == [MODEL, "(the", '"model"', "clients", "send)"]
+    assert block["drafters"].strip() == "ssm-1 (ssm), ssm-2 (ssm)"
+    assert block["scheduler"].strip().startswith("none")
+    curl = shlex.split(block["try"])
+    assert curl[:2] == ["curl", f"{url}/chat/completions"] and curl[-2] == "-d"
+    answer = httpx.post(curl[1], content=curl[-1], headers={"Content-Type": "application/json"}, timeout=60)
+    assert answer.status_code == 200 and answer.json()["model"] == MODEL
+
+
 def test_sigterm_ends_open_streams_refuses_new_requests_and_exits_0(bundle_dir, tmp_path):
     # `boosttune serve` in its own process (it inherits PYTHONPATH, so it runs this checkout's code).
     port = _free_port()
@@ -367,6 +384,7 @@ def test_sigterm_ends_open_streams_refuses_new_requests_and_exits_0(bundle_dir, 
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
+        check_startup_block((tmp_path / "serve.log").read_text(), port)
         body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
             lines = (line for line in r.iter_lines() if line)

@@ -110,6 +110,7 @@ def tiny_run(tmp_path_factory) -> Path:
     proc = train(run)
     ok(proc)
     (run.parent / "stderr.txt").write_text(proc.stderr)
+    (run.parent / "stdout.txt").write_text(proc.stdout)
     return run
 
 
@@ -158,6 +159,73 @@ def test_report_has_one_entry_per_stage(tiny_run: Path) -> None:
     ranking = json.loads((tiny_run / "draft_vocab.json").read_text())
     assert ranking["vocab_size"] == len(ranking["ranking"]) == len(set(ranking["ranking"]))
     assert report["prompts"]["held_out"] > 0 and 0 < ranking["tokens_counted"] < report["teacher"]["tokens"]
+
+
+def test_train_ends_with_the_runs_report(tiny_run: Path) -> None:
+    """`boosttune train` ends with what `boosttune report RUN` prints: stages, each drafter's τ / c / speed-up
+    alone, with prompt lookup and merged, and the next commands with the run's paths."""
+    from boosttune.report import collect, summary_lines
+
+    out = (tiny_run.parent / "stdout.txt").read_text().splitlines()
+    lines = summary_lines(collect(RunDir(tiny_run)))
+    assert out[-len(lines):] == lines
+    assert lines[0] == f"run {tiny_run} (finished)"
+    header = next(x for x in lines if x.startswith("drafter "))
+    assert header.split() == ["drafter", "τ", "c", "speed-up", "τ", "with", "lookup", "speed-up", "with", "lookup"]
+    assert drafters(lines) == ["ssm-1", "ssm-2", "ssm-3", "SSMs merged"]
+    assert f"  export: boosttune export {tiny_run} --out {tiny_run}-bundle" in lines
+    assert f"  serve:  boosttune serve {tiny_run}-bundle --port 8000" in lines
+    stderr = (tiny_run.parent / "stderr.txt").read_text()
+    for noise in ("💡 Tip", "weights_only", "LeafSpec", "Epoch 0/"):  # Lightning's, silenced
+        assert noise not in stderr + "\n".join(out)
+    assert "[boosttune] stage 1: 12/12 step (100%)" in stderr  # our progress line instead of Lightning's bar
+
+
+def drafters(lines: list[str]) -> list[str]:
+    """The first column of the summary's table of drafters."""
+    start = next(i for i, x in enumerate(lines) if x.startswith("drafter ")) + 2  # past the header and its rule
+    rows = lines[start:]
+    return [x.split("  ")[0] for x in rows[:next(i for i, x in enumerate(rows) if not x[:1].strip() or ":" in x)]]
+
+
+def _report(run: Path, capsys) -> list[str]:
+    """`boosttune report RUN`'s lines; the figure must be a PNG."""
+    from boosttune.cli import main
+
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 0
+    png = (run / "report.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    return capsys.readouterr().out.splitlines()
+
+
+def test_report_of_a_finished_and_of_an_interrupted_run(tiny_run: Path, tmp_path: Path, capsys) -> None:
+    weights = shutil.ignore_patterns("*.safetensors", "checkpoints", "ssm-init")  # the report reads none of them
+    run = Path(shutil.copytree(tiny_run, tmp_path / "run", ignore=weights))
+    lines = _report(run, capsys)
+    assert lines[0] == f"run {run} (finished)" and lines[-1] == f"figure: {run / 'report.png'}"
+    assert any(x.startswith("3 ") and "-> " in x for x in lines)  # stage 3's row
+
+    # killed during stage 3, before its report was written: what exists is reported, with the way to go on
+    shutil.rmtree(run / "stages" / "stage-3")
+    shutil.rmtree(run / "ssms" / "ssm-3")
+    (run / "report.json").unlink()
+    (run / "report.png").unlink()
+    lines = _report(run, capsys)
+    assert lines[0] == f"run {run} (unfinished: stage 3, the evaluation to go)"
+    assert [x.split()[0] for x in lines if x[:2] in ("1 ", "2 ", "3 ")] == ["1", "2"]  # the two finished stages
+    assert "prompts: 60 (48 train, 12 held out)" in lines[2] and "evaluation: not run yet" in lines
+    assert f"  resume: boosttune train --config {run / 'config.yaml'} --run-dir {run}" in lines
+
+
+def test_report_of_a_directory_that_is_not_a_run(tmp_path: Path, capsys) -> None:
+    from boosttune.cli import main
+
+    assert main(["report", str(tmp_path)]) == 2
+    assert f"{tmp_path} is not a `boosttune train` run directory" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    assert not (tmp_path / "report.png").exists()
 
 
 def check_coverage(stages: list[dict]) -> None:
@@ -413,7 +481,7 @@ SCHEDULER = (f"scheduler.prompts={MT_BENCH}", "scheduler.skip=2", "scheduler.lim
              "scheduler.calib_prompts=1", "scheduler.calib_tokens=4", "scheduler.real_policies=[learned]")
 
 
-def test_feature_head_trains_after_the_ssms_and_is_evaluated(tmp_path: Path) -> None:
+def test_feature_head_trains_after_the_ssms_and_is_evaluated(tmp_path: Path, capsys) -> None:
     """A run with a feature head; then other feature settings and a scheduler: the head is trained again
     and the scheduler fitted, choosing among it. Each process loads the LLM once, though the teacher, the
     head, the evaluation and the scheduler all use it. A re-run of the finished run trains and writes
@@ -456,7 +524,9 @@ def test_feature_head_trains_after_the_ssms_and_is_evaluated(tmp_path: Path) -> 
     assert out.tokens == incremental_generate(served.llm.model, [1, 2, 3, 4, 5], stop).tokens
 
     other = (*args[:-2], "feature.max_steps=3", "feature.batch_tokens=512", *SCHEDULER)
-    ok(train(run, *other, loads=loads))  # other settings: trained again; a finished run gains a scheduler
+    proc = train(run, *other, loads=loads)  # other settings: trained again; a finished run gains a scheduler
+    ok(proc)
+    assert "scheduler: learned vs best fixed (" in proc.stdout and "eval requests: " in proc.stdout
     assert json.loads(loads.read_text()).count("tiny-random") == 1
     report = json.loads((run / "report.json").read_text())
     assert report["feature"]["train"]["steps"] == 3 and report["evaluation"]["feature"]["tau"] >= 1.0
@@ -475,6 +545,13 @@ def test_feature_head_trains_after_the_ssms_and_is_evaluated(tmp_path: Path) -> 
     out = served.generate([1, 2, 3, 4, 5], stop)
     assert out.tokens == incremental_generate(served.llm.model, [1, 2, 3, 4, 5], stop).tokens
 
+    from boosttune.report import collect
+    from boosttune.report_plot import panels
+
+    lines = _report(run, capsys)  # every panel: stages, τ, speed-up, coverage, the scheduler's choices
+    assert len(panels(collect(RunDir(run)).report)) == 5
+    assert drafters(lines) == ["ssm-1", "feature"]
+
 
 def test_boosted_feature_heads_train_in_turn_and_serve_merged(tmp_path: Path) -> None:
     """``feature.heads=2``: head 2 trains on what head 1 misses (its loss weighted by head 1's coverage), both
@@ -483,7 +560,12 @@ def test_boosted_feature_heads_train_in_turn_and_serve_merged(tmp_path: Path) ->
     run = tmp_path / "heads"
     args = ("boost.num_ssms=1", "feature.enabled=true", "feature.minutes=0", "feature.max_steps=4",
             "feature.batch_tokens=512", "feature.covered_weight=0.2")
-    ok(train(run, *args, "feature.heads=2"))
+    proc = train(run, *args, "feature.heads=2")
+    ok(proc)
+    shown = proc.stdout.splitlines()  # the summary: each head, their union, each measured alone and merged
+    assert any(x.startswith("feature heads: feature 4 steps") and "; feature-2 4 steps" in x and "union top-" in x
+               for x in shown)
+    assert drafters(shown) == ["ssm-1", "feature", "feature-2", "heads merged"]
     report = json.loads((run / "report.json").read_text())
     feature = report["feature"]
     assert [h["head"] for h in feature["heads"]] == ["feature", "feature-2"]

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 # Modules that add subcommands, in the order `boosttune --help` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
     "boosttune.cli.bench", "boosttune.cli.generate", "boosttune.cli.train", "boosttune.cli.scheduler",
-    "boosttune.cli.export", "boosttune.cli.serve",
+    "boosttune.cli.report", "boosttune.cli.export", "boosttune.cli.serve",
 )
 
 

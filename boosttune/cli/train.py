@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
-import sys
 
 
 def add_commands(sub) -> dict:
@@ -31,14 +29,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         argv = ["train", "--config", args.config, "--run-dir", args.run_dir, *args.overrides]
         return dist.local_launch(cfg.optim.devices, argv)
     try:
-        report = train(cfg, args.run_dir)
+        train(cfg, args.run_dir)
     except OSError as e:
         message = file_system_error(e, args.run_dir)
         if message is None:
             raise
         raise ValueError(message) from None  # printed as one line, exit 2 (boosttune.cli.main)
-    if dist.is_main():
-        print(json.dumps({"stages": report["stages"], "evaluation": report["evaluation"]}, indent=2), file=sys.stdout)
+    if dist.is_main():  # what `boosttune report RUN` prints (report.json holds every figure)
+        from boosttune.core.rundir import RunDir
+        from boosttune.report import collect, summary_lines
+
+        print("\n".join(summary_lines(collect(RunDir(args.run_dir)))), flush=True)
     return 0
 
 

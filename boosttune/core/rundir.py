@@ -22,6 +22,7 @@ Layout (everything a run makes; resuming trusts only what is complete)::
       report.json                 run report: llm, tree, teacher, one entry per stage, feature head,
                                   evaluation, scheduler; written when the run ends (and after each
                                   newly trained stage, so that a killed run lists the SSMs it finished)
+      report.png                  the run's figure, written by `boosttune report RUN` (boosttune/report_plot.py)
       scheduler/                  the learned scheduler: scheduler.json; complete.json written last (it
                                   records the settings the scheduler was fitted with)
       scheduler_report.json/.png  every policy's τ and tokens/s on the evaluation requests
@@ -100,6 +101,11 @@ class RunDir:
     @property
     def report_path(self) -> Path:
         return self.root / "report.json"
+
+    @property
+    def report_plot(self) -> Path:
+        """The run's figure (`boosttune report`): stages, drafters' τ and speed-up, coverage, scheduler choices."""
+        return self.root / "report.png"
 
     @property
     def draft_vocab_path(self) -> Path:

@@ -49,6 +49,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from boosttune import assemble
+from boosttune.http.banner import startup_banner
 from boosttune.http.connection import guarded_protocol
 from boosttune.http.metrics import RequestMetricsMiddleware, ServerMetrics
 from boosttune.http.protocol import (
@@ -582,19 +583,49 @@ class ServerThread:
         self.stop()
 
 
+class _AnnouncingServer(uvicorn.Server):
+    """uvicorn's server that prints the start-up block (``banner.py``) once its sockets listen: the models
+    are loaded by then and the engine worker started (the app's lifespan runs first; its warm-up, on the
+    worker's thread, may still be finishing, and a first request waits for it in the queue)."""
+
+    def __init__(self, config: uvicorn.Config, state: _State):
+        super().__init__(config)
+        self.state = state
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)  # exits the process when the port cannot be bound
+        listening = [s for server in getattr(self, "servers", []) for s in server.sockets or []]
+        port = listening[0].getsockname()[1] if listening else self.config.port  # the real one for --port 0
+        print("\n".join(startup_banner(self.config.host, port, self.state.model_name, *_drafting(self.state))),
+              flush=True)
+
+
+def _drafting(state: _State) -> tuple[list[tuple[str, str]], int, str | None]:
+    """What drafts the requests: the bundle's drafters (name, kind), prompt lookup's chain length, the scheduler."""
+    manifest = state.bundle.manifest
+    drafters = [(d.name, d.kind) for d in manifest.models]
+    if state.scheduler is not None:
+        scheduler = f"learned ({manifest.scheduler_dir}/), chooses per request among {', '.join(state.scheduler.drafters) or 'its SSMs'}"
+    elif manifest.scheduler_dir is not None:
+        scheduler = "the bundle's is off (--no-scheduler): every request drafts with all drafters"
+    else:
+        scheduler = None
+    return drafters, state.lookup, scheduler
+
+
 def run_server(bundle: LoadedBundle, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
                log_level: str = "info") -> None:
     """Serve ``bundle`` in the foreground until interrupted (Ctrl-C) or terminated (SIGTERM: returns
     normally once the open requests have ended, so the process exits 0)."""
     app = create_app(bundle, config)
-    name = app.state.boosttune.model_name
-    print(f"boosttune serve: model {name!r} (drafters {', '.join(bundle.model_names)}) at http://{host}:{port}/v1", flush=True)
+    server = _AnnouncingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                              **_uvicorn_settings(config)), app.state.boosttune)
     # uvicorn handles SIGTERM itself, then raises it again once shut down, for the handler it found
     # (the default one kills the process: exit status 143). A server that has ended its requests has
     # stopped as asked: that handler ends run_server instead (and stops a server not yet serving).
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, **_uvicorn_settings(config))
+        server.run()  # what uvicorn.run does for an app object (no reload, one worker)
     except _Terminated:
         pass
     finally:

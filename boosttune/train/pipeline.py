@@ -545,7 +545,7 @@ def run_stage(cfg: TrainConfig, run: RunDir, k: int, init_dir: Path, tokenizer, 
     _log(f"stage {k}/{cfg.boost.num_ssms}: training on {len(pool)} of {len(train)} samples ({cfg.boost.mode})")
     model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32).train()
     model, stats = train_stage(model, samples, cfg, run.stage_dir(k), run.stage_checkpoint(k), pad_id,
-                               seed=cfg.optim.seed + k)
+                               seed=cfg.optim.seed + k, desc=f"stage {k}")
     model.eval()
     autocast = precision(cfg).startswith("bf16")
     train_agree, train_ranks = _score(model, train, pad_id, autocast)

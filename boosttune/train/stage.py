@@ -20,9 +20,11 @@ from torch.utils.data import DataLoader
 from boosttune.config import TrainConfig
 from boosttune.core.files import writing
 from boosttune.core.models import native_bf16
+from boosttune.core.progress import progress
 from boosttune.train import dist
 from boosttune.train.distill import BatchDataset, BatchOrder, DistillModule, Sample
 from boosttune.train.faults import crash_point
+from boosttune.train.quiet import quiet_lightning
 
 
 class AtomicCheckpoint(L.Callback):
@@ -40,7 +42,9 @@ class AtomicCheckpoint(L.Callback):
             shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
         trainer.strategy.barrier("atomic-ckpt-clean")
         with writing(self.path):  # a full disk names the run's checkpoint, not Lightning's temporary file
-            trainer.save_checkpoint(str(tmp))  # collective under DeepSpeed; ends with a barrier
+            # weights_only=False: a resume needs the optimizer, schedulers and loops too (said explicitly,
+            # or Lightning logs that it chose so at every save)
+            trainer.save_checkpoint(str(tmp), weights_only=False)  # collective under DeepSpeed; ends with a barrier
             if trainer.is_global_zero:
                 old = self.path.with_name(f".{self.path.name}.old")
                 if self.path.exists():
@@ -58,6 +62,32 @@ class AtomicCheckpoint(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._save(trainer)
+
+
+class StepProgress(L.Callback):
+    """The stage's optimizer steps and loss as boosttune's progress (a bar on a terminal, a line every 30 s in
+    a log file), in place of Lightning's bar, whose epoch counter means nothing with ``max_epochs=-1``."""
+
+    def __init__(self, desc: str, total: int):
+        self.desc, self.total, self.bar = desc, total, None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            self.bar = progress(total=self.total, desc=self.desc, unit="step")
+            self.bar.update(trainer.global_step)  # steps of the checkpoint resumed from
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.bar is None or trainer.global_step <= self.bar.n:
+            return
+        loss = pl_module.last_loss()  # a host sync per optimizer step, as Lightning's bar had
+        if loss is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}")
+        self.bar.update(trainer.global_step - self.bar.n)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 class ResumeDataOrder(L.Callback):
@@ -124,9 +154,10 @@ def apply_lora(model, cfg: TrainConfig):
                                             target_modules=list(lc.target_modules), task_type="CAUSAL_LM"))
 
 
-def train_stage(model, samples: list[Sample], cfg: TrainConfig, stage_dir: Path, ckpt: Path, pad_id: int, seed: int):
-    """Train ``model`` on ``samples`` (logs under ``stage_dir``, resumable from ``ckpt``); returns
-    (trained plain HF model, stats)."""
+def train_stage(model, samples: list[Sample], cfg: TrainConfig, stage_dir: Path, ckpt: Path, pad_id: int, seed: int,
+                desc: str = "SSM"):
+    """Train ``model`` on ``samples`` (logs under ``stage_dir``, resumable from ``ckpt``; ``desc`` names it in
+    the progress lines); returns (trained plain HF model, stats)."""
     o = cfg.optim
     L.seed_everything(seed, workers=True, verbose=False)
     if cfg.ssm.freeze_embeddings:
@@ -143,16 +174,19 @@ def train_stage(model, samples: list[Sample], cfg: TrainConfig, stage_dir: Path,
     loader = DataLoader(data, batch_size=None, sampler=order, num_workers=0,
                         generator=torch.Generator().manual_seed(seed))
     ckpt.parent.mkdir(parents=True, exist_ok=True)
+    quiet_lightning()
     trainer = L.Trainer(
         accelerator=o.accelerator, devices=o.devices, num_nodes=o.num_nodes, strategy=_strategy(cfg),
         precision=precision(cfg), max_steps=o.max_steps, max_epochs=-1,
         max_time={"minutes": o.max_minutes} if o.max_minutes > 0 else None,
         accumulate_grad_batches=o.grad_accum, gradient_clip_val=o.grad_clip or None,
         logger=_logger(cfg, stage_dir),
-        callbacks=[AtomicCheckpoint(ckpt, o.checkpoint_every), ResumeDataOrder(order, o.grad_accum)],
+        callbacks=[AtomicCheckpoint(ckpt, o.checkpoint_every), ResumeDataOrder(order, o.grad_accum),
+                   StepProgress(desc, o.max_steps)],
         enable_checkpointing=False, default_root_dir=str(stage_dir), log_every_n_steps=5,
         # BatchOrder gives each rank its share already
         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+        enable_progress_bar=False,  # StepProgress reports the steps
     )
     resume = resume_checkpoint(ckpt)
     trainer.fit(module, train_dataloaders=loader, ckpt_path=str(resume) if resume else None)
