@@ -139,7 +139,7 @@ def test_disk_full_in_lightnings_checkpointing_names_the_runs_checkpoint(tmp_pat
     _atomic_save({"global_step": 2}, ckpt)
     whole = ckpt.read_bytes()
 
-    def save(path: str) -> None:
+    def save(path: str, weights_only: bool = False) -> None:  # Trainer.save_checkpoint's signature
         if where == "torch.save":
             _atomic_save({"global_step": 4}, path)  # Lightning's own writer, torch.save failing inside
         else:
