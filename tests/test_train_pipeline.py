@@ -615,3 +615,76 @@ def test_a_head_recorded_before_a_feature_field_existed_is_not_trained_again() -
     # how many heads follow never matters; how later heads are boosted does not matter to the first
     assert _same_feature_settings(old, FeatureConfig(enabled=True, minutes=2.0, heads=3, boost="independent"))
     assert not _same_feature_settings(old, FeatureConfig(enabled=True, minutes=2.0, boost="independent"), k=2)
+
+
+# --------------------------------------------------------------------------------- the README's path
+def _readme_blocks(section: str, lang: str) -> list[str]:
+    """The ``lang`` code blocks of README.md's ``## section``, in order."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return [b.split("```", 1)[0] for b in body.split(f"```{lang}\n")[1:]]
+
+
+def _readme_commands(block: str) -> list[list[str]]:
+    """Each command line of a bash block (continuations joined, comments dropped), split as the shell would."""
+    import shlex
+
+    joined = block.replace("\\\n", " ")
+    return [shlex.split(line, comments=True) for line in joined.splitlines() if line.strip()]
+
+
+def test_the_readmes_path_from_a_run_to_a_request_works_as_written(tiny_run: Path, tmp_path: Path) -> None:
+    """README's "From training to a request", run as written on the tiny run in place of runs/demo (the
+    LLM tiny-random, answers and benchmarks shortened): export, serve, the curl request and the openai
+    snippet against that server, generate greedy and sampled, bench."""
+    import socket
+    import time
+    import urllib.request
+
+    section = "From training to a request"
+    bash, python = _readme_blocks(section, "bash"), _readme_blocks(section, "python")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "demo").symlink_to(tiny_run)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def local(cmd: list[str]) -> list[str]:
+        """The README's command for this test: our interpreter, the free port, the shared data, fewer tokens."""
+        swap = {"8000": str(port), "20": "2", "128": "8"}
+        out = [sys.executable, "-m", "boosttune.cli", *cmd[1:]] if cmd[0] == ".venv/bin/boosttune" else list(cmd)
+        out = [x.replace("../shared/data/mt_bench/question.jsonl", str(MT_BENCH)).replace(":8000/", f":{port}/")
+               for x in out]
+        return [swap.get(x, x) if i and out[i - 1] in ("--port", "--limit", "--max-new-tokens") else x
+                for i, x in enumerate(out)]
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    export, serve = _readme_commands(bash[0])
+    ok(subprocess.run(local(export), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300))
+    server = subprocess.Popen([*local(serve), "--threads", "1"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, server.stdout.read() if server.poll() else ""
+                time.sleep(0.3)
+        (curl,) = _readme_commands(bash[1])
+        url, body = next(x for x in curl if x.startswith("http")), curl[curl.index("-d") + 1]
+        req = urllib.request.Request(local([url])[0], data=body.encode(), headers={"Content-Type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(req, timeout=120).read())
+        assert answer["model"] == "demo-bundle" and answer["choices"][0]["message"]["content"]
+        snippet = python[0].replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        printed = subprocess.run([sys.executable, "-c", snippet], env=env, capture_output=True, text=True, timeout=120)
+        ok(printed)
+        assert printed.stdout.strip()
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    for cmd in _readme_commands(bash[2]):
+        proc = subprocess.run(local(cmd), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        ok(proc)
+    assert json.loads((tmp_path / "bench_out" / "demo" / "summary.json").read_text())
