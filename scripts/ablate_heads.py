@@ -85,13 +85,14 @@ def budget(minutes: float, steps: int, times: int = 1) -> list[str]:
     return [f"feature.minutes={minutes * times}", "feature.max_steps=0"]
 
 
-def train_variant(src: Path, dst: Path, heads: int, boost: str, limits: list[str]) -> dict:
+def train_variant(src: Path, dst: Path, heads: int, boost: str, limits: list[str], covered_weight: float = 0.1) -> dict:
     """Train the heads of one variant (a fresh copy unless ``dst`` is a finished one); its report."""
     if not (dst / "report.json").is_file():
         shutil.rmtree(dst, ignore_errors=True)
         link_copy(src, dst)
     cmd = [sys.executable, "-m", "boosttune.cli", "train", "--config", str(src / "config.yaml"), "--run-dir", str(dst),
-           f"feature.heads={heads}", f"feature.boost={boost}", *limits, "scheduler.prompts=null"]
+           f"feature.heads={heads}", f"feature.boost={boost}", f"feature.covered_weight={covered_weight}", *limits,
+           "scheduler.prompts=null"]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     return json.loads((dst / "report.json").read_text())
@@ -163,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=0.0, help="training minutes per head (single: N x this)")
     p.add_argument("--steps", type=int, default=0, help="training steps per head instead of minutes (single: N x this); "
                    "fair where other work shares the CPU")
+    p.add_argument("--covered-weight", type=float, default=0.1,
+                   help="the boosted heads' loss weight of a token the earlier heads cover (feature.covered_weight)")
     p.add_argument("--questions", required=True, help="JSONL questions for the coverage figures (MT-bench's)")
     p.add_argument("--limit", type=int, default=0, help="the first N questions (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -173,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"run: {args.run} is not a finished `boosttune train` run (no report.json / config.yaml)")
     if args.heads < 2 or args.minutes < 0 or args.steps < 0 or args.limit < 0 or args.top < 0:
         p.error("--heads must be >= 2, --minutes, --steps, --limit and --top >= 0")
+    if not 0 <= args.covered_weight <= 1:
+        p.error("--covered-weight must be in [0, 1]")
     if bool(args.minutes) == bool(args.steps):
         p.error("give one of --minutes and --steps (the budget of each head)")
     if not Path(args.questions).is_file():
@@ -183,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     variants: dict[str, tuple[Path, dict]] = {}
     for mode in ("weighted", "independent"):
         d = out / mode
-        variants[mode] = (d, train_variant(args.run, d, args.heads, mode, budget(args.minutes, args.steps)))
+        weight = args.covered_weight if mode == "weighted" else 0.1  # the default: independent heads ignore it
+        variants[mode] = (d, train_variant(args.run, d, args.heads, mode, budget(args.minutes, args.steps), weight))
     if reusable_single(args.run, args.heads * args.minutes, args.heads * args.steps):
         variants["single"] = (args.run, json.loads((args.run / "report.json").read_text()))
     else:
