@@ -26,7 +26,7 @@ import shutil
 import time
 import typing
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -705,6 +705,8 @@ class HeadData:
     rows: torch.Tensor
     feature_seconds: float
     recorded: int
+    train_ranks: dict[int, list[list[int]]] = field(default_factory=dict)
+    """Head j's ranks of the training answers, once computed (boosting head k needs heads 1..k-1's)."""
 
 
 def _earlier_head(run: RunDir, j: int, trained: dict, device: str) -> torch.nn.Module:
@@ -725,10 +727,12 @@ def boost_weights(cfg: TrainConfig, run: RunDir, k: int, d: HeadData, trained: d
     from boosttune.train.feature import answer_ranks, pair_weights
 
     kc = coverage_k(cfg)
-    with progress(total=(k - 1) * len(d.train), desc=f"head {k}: earlier heads' ranks", unit="sample") as bar:
-        ranks = [answer_ranks(_earlier_head(run, j, trained, device), d.train, d.feats, d.rows, bar.update)
-                 for j in range(1, k)]
-    union = union_rank_rows(ranks)
+    todo = [j for j in range(1, k) if j not in d.train_ranks]
+    with progress(total=len(todo) * len(d.train), desc=f"head {k}: earlier heads' ranks", unit="sample") as bar:
+        for j in todo:
+            d.train_ranks[j] = answer_ranks(_earlier_head(run, j, trained, device), d.train, d.feats, d.rows,
+                                            bar.update)
+    union = union_rank_rows([d.train_ranks[j] for j in range(1, k)])
     covered = float(np.mean(_flat(union) < kc)) if any(union) else 0.0
     return pair_weights(d.train, token_weights(union, kc, fc.covered_weight)), covered
 
