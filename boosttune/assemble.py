@@ -28,7 +28,7 @@ from boosttune.scheduler.policy import Scheduler
 from boosttune.serving.bundle import LoadedBundle, load_bundle
 from boosttune.serving.draft_vocab import ranking_for
 from boosttune.serving.drafter import Drafter
-from boosttune.serving.engine import GenerationResult, Plan, SpeculativeEngine, TokenCallback
+from boosttune.serving.engine import GenerationResult, Plan, Planner, SpeculativeEngine, TokenCallback
 from boosttune.serving.kinds import PromptLookupKind, SSMKind, kind
 from boosttune.serving.lean import llm_runner
 from boosttune.serving.lookup import LOOKUP_NAME, lookup_tree
@@ -62,8 +62,12 @@ class Served:
     ) -> GenerationResult:
         """One request; the scheduler, if any, plans it from the prefill (``chat``: the prompt went
         through the chat template, one of its features)."""
-        planner = self.scheduler.planner(prompt_ids, chat) if self.scheduler is not None else None
+        planner = self.planner(prompt_ids, chat)
         return self.engine.generate(prompt_ids, stop, sampling, on_tokens, planner=planner, record=record)
+
+    def planner(self, prompt_ids: Sequence[int], chat: bool = True) -> Planner | None:
+        """What plans this request: the scheduler's planner for it, or None (the engine's default plan)."""
+        return self.scheduler.planner(prompt_ids, chat) if self.scheduler is not None else None
 
     @property
     def lookup(self) -> int:

@@ -21,6 +21,7 @@ is fed at the start of the next ``draft``. The committed prefix is never re-run.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -66,6 +67,12 @@ class Drafter(Protocol):
 
     def reset(self) -> None:
         """Forget the previous request (caches)."""
+        ...
+
+    def spawn(self, memo: dict[int, object]) -> Drafter:
+        """A drafter of the same weights with state of its own, for another request decoded at the
+        same time (``serving/batch.py``); drafters that share state (a stacked group) share one
+        copy of it through ``memo``, which one set of spawns passes to every drafter."""
         ...
 
     def observes_features(self) -> bool:
@@ -129,6 +136,12 @@ class SSMDrafter:
     def reset(self) -> None:
         self.runner.reset()
         self._synced = 0
+
+    def spawn(self, memo: dict[int, object]) -> SSMDrafter:
+        other = copy.copy(self)
+        other.runner = self.runner.spawn()
+        other.reset()
+        return other
 
     def observes_features(self) -> bool:
         return False

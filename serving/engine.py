@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from boosttune.serving.builders import merge_trees
+from boosttune.serving.builders import merge_trees, subtree
 from boosttune.serving.drafter import Drafter
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams, logits_to_probs, sample
@@ -163,20 +163,6 @@ class SpeculativeEngine:
             raise ValueError(f"the plan names drafters {unknown} this engine does not have ({list(self.drafters)})")
         return plan
 
-    def _draft(
-        self, committed: Tensor, sampling: SamplingParams, gen: torch.Generator,
-        drafters: Sequence[tuple[Drafter, TreeConfig]], times: list[float],
-    ) -> tuple[TokenTree, list[Tensor]]:
-        """Merged tree of ``drafters``, each drafting its tree; appends each draft's seconds to ``times``."""
-        if not drafters:
-            return TokenTree.empty(), []
-        trees = []
-        for d, tree in drafters:
-            t0 = time.perf_counter()
-            trees.append(d.draft(committed, tree, sampling, gen))
-            times.append(time.perf_counter() - t0)
-        return merge_trees(trees, dedupe=sampling.greedy)
-
     @torch.inference_mode()
     def generate(
         self,
@@ -200,26 +186,52 @@ class SpeculativeEngine:
             planner: chooses the plan from the prefill hidden states instead (``Planner``).
             record: log a ``StepRecord`` per step in ``GenerationResult.records``.
         """
+        stream = self.open(prompt_ids, stop, sampling, on_tokens, plan=plan, planner=planner, record=record)
+        while not stream.finished:
+            stream.step()
+        return stream.result()
+
+    @torch.inference_mode()
+    def open(
+        self,
+        prompt_ids: Sequence[int],
+        stop: StopCriteria,
+        sampling: SamplingParams | None = None,
+        on_tokens: TokenCallback | None = None,
+        *,
+        plan: Plan | None = None,
+        planner: Planner | None = None,
+        record: bool = False,
+        llm: ModelRunner | None = None,
+        drafters: Mapping[str, Drafter] | None = None,
+    ) -> Stream:
+        """Prefill a request and return its :class:`Stream` (``generate``'s arguments), ready to step.
+
+        ``llm`` and ``drafters`` hold the request's caches: the engine's own by default, or a spawned
+        set (``ModelRunner.spawn``, ``Drafter.spawn``) when several requests decode at once
+        (``serving/batch.py``). Both are reset first."""
         sampling = sampling or SamplingParams()
         if len(prompt_ids) == 0:
             raise ValueError("prompt_ids must hold at least one token")
         if plan is not None and planner is not None:
             raise ValueError("a request takes a plan or a planner, not both")
+        llm = llm if llm is not None else self.llm
+        drafters = drafters if drafters is not None else self.drafters
         start = time.perf_counter()
-        self.llm.reset()
-        for d in self.drafters.values():
+        llm.reset()
+        for d in drafters.values():
             d.reset()
         committed = list(prompt_ids)
         prefix = torch.tensor(committed[:-1], dtype=torch.long)
         plan_s = 0.0
-        readers = [d for d in self.drafters.values() if d.observes_features()]
+        readers = [d for d in drafters.values() if d.observes_features()]
         if planner is None and not readers:
             if len(committed) > 1:  # prefill all but the pending token
-                self.llm.forward_chain(prefix)
+                llm.forward_chain(prefix)
         else:
-            width = self.llm.model.get_output_embeddings().weight.shape[1]
-            hidden = (self.llm.chain_hidden(prefix) if len(committed) > 1
-                      else torch.zeros(0, width, device=self.llm.device))  # on chain_hidden's device
+            width = llm.model.get_output_embeddings().weight.shape[1]
+            hidden = (llm.chain_hidden(prefix) if len(committed) > 1
+                      else torch.zeros(0, width, device=llm.device))  # on chain_hidden's device
             for d in readers:
                 d.observe(hidden)
             if planner is not None:
@@ -228,62 +240,140 @@ class SpeculativeEngine:
                 plan_s = time.perf_counter() - t0
         prefill_s = time.perf_counter() - start - plan_s
         plan = self._checked(plan) if plan is not None else self.plan
-        res = self._loop(committed, stop, sampling, on_tokens, plan, record)
-        res.wall_time = time.perf_counter() - start
-        res.prefill_s, res.plan_s, res.plan = prefill_s, plan_s, plan
+        return Stream(llm, drafters, committed, stop, sampling, on_tokens, plan, record, start, prefill_s, plan_s)
+
+
+class Stream:
+    """One request between steps: its caches (an LLM runner and drafters), its plan, what it has produced.
+
+    ``step`` runs one speculative step on the stream's own LLM runner. A batch of streams splits it:
+    every stream's ``draft`` names what the LLM must be fed, one forward feeds all of them, and every
+    stream's ``commit`` verifies its tree against its rows of that forward (``serving/batch.py``).
+    """
+
+    def __init__(
+        self, llm: ModelRunner, drafters: Mapping[str, Drafter], committed: list[int], stop: StopCriteria,
+        sampling: SamplingParams, on_tokens: TokenCallback | None, plan: Plan, record: bool, start: float,
+        prefill_s: float, plan_s: float,
+    ):
+        self.llm, self.stop, self.sampling, self.on_tokens, self.plan = llm, stop, sampling, on_tokens, plan
+        self.record, self.start, self.prefill_s, self.plan_s = record, start, prefill_s, plan_s
+        self.committed = committed
+        self.gen = sampling.generator(llm.device)  # the verifier samples from p on the LLM's device
+        self.names = [name for name in drafters if name in plan.trees]
+        self.drafting = [(drafters[name], plan.trees[name]) for name in self.names]
+        self.readers = [d for d, _ in self.drafting if d.observes_features()]
+        self.records: list[StepRecord] = []
+        self.generated: list[int] = []
+        self.accept_lengths: list[int] = []
+        self.hits = dict.fromkeys(self.names, 0)
+        self.finish: str | None = None
+        self._tree: TokenTree | None = None
+        self._maps: list[Tensor] = []
+        self._draft_s: list[float] = []
+        self._drafted = True
+        self._t_step = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    @property
+    def wants_hidden(self) -> bool:
+        """Whether the verification forward must also return the LLM's last hidden states."""
+        return bool(self.readers)
+
+    def step(self) -> None:
+        """One speculative step: draft, verify in one forward of the stream's LLM, commit."""
+        input_ids, pos, prefix_len, mask = self.draft()
+        t0 = time.perf_counter()
+        if self.readers:  # the same forward, keeping the LLM's last hidden states for the feature heads
+            logits, hidden = self.llm.forward_hidden(input_ids, pos, prefix_len, mask)  # (N + 1, V), (N + 1, H)
+        else:
+            logits, hidden = self.llm.forward(input_ids, pos, prefix_len, mask), None  # (N + 1, V)
+        self.commit(logits, hidden, time.perf_counter() - t0)
+
+    def draft(self, drafting: bool = True) -> tuple[Tensor, Tensor, int, Tensor]:
+        """Draft this step's merged tree; returns what the LLM must be fed to verify it: (1, N + 1)
+        token ids, (1, N + 1) positions, the prefix length and the tree mask (``verification_inputs``).
+        ``drafting=False``: no tree this step (a plain decoding step; a busy batch may choose it)."""
+        if self.finished:
+            raise RuntimeError("this stream has finished")
+        self._t_step = time.perf_counter()
+        self._draft_s = []
+        self._drafted = drafting
+        drafters = self.drafting if drafting else []
+        self._tree, self._maps = _draft(torch.tensor(self.committed), self.sampling, self.gen, drafters, self._draft_s)
+        prefix_len = len(self.committed) - 1
+        input_ids, pos, mask = verification_inputs(self._tree, self.committed[-1], prefix_len)
+        return input_ids, pos, prefix_len, mask
+
+    def cut(self, nodes: int) -> tuple[Tensor, Tensor, int, Tensor]:
+        """Keep the drafted tree's first ``nodes`` nodes (an ancestor-closed set: nodes are in
+        topological order, and the drafters' maps still hold, the kept nodes keeping their indices);
+        returns the smaller tree's verification inputs, as ``draft`` does."""
+        assert self._tree is not None, "cut follows draft"
+        keep = torch.zeros(self._tree.size, dtype=torch.bool)
+        keep[:nodes] = True
+        self._tree, _ = subtree(self._tree, keep)
+        prefix_len = len(self.committed) - 1
+        input_ids, pos, mask = verification_inputs(self._tree, self.committed[-1], prefix_len)
+        return input_ids, pos, prefix_len, mask
+
+    def commit(self, logits: Tensor, hidden: Tensor | None, verify_s: float = 0.0) -> None:
+        """Verify the drafted tree against the LLM's (N + 1, V) ``logits`` of this step's feed (and its
+        (N + 1, H) ``hidden`` states when ``wants_hidden``), commit, and hand the tokens on."""
+        tree, maps, sampling = self._tree, self._maps, self.sampling
+        assert tree is not None, "commit follows draft"
+        self._tree = None
+        prefix_len = len(self.committed) - 1
+        if sampling.greedy:
+            path, bonus = greedy_verify(tree, logits)
+        else:
+            p = logits_to_probs(logits, sampling)  # (N + 1, V)
+            path, bonus = stochastic_verify(tree, p, self.gen) if tree.size else ([], int(sample(p, self.gen)[0]))
+        self.llm.keep(prefix_len, torch.tensor([0] + [n + 1 for n in path], dtype=torch.long))
+        for j, (d, _) in enumerate(self.drafting if self._drafted else []):  # an undrafted step leaves them be
+            local = _local_path(maps[j], path)
+            self.hits[self.names[j]] += len(local)
+            d.accept(local)
+        new, self.finish = self.stop.cut(self.generated, tree.tokens[path].tolist() + [bonus])
+        if self.readers:  # features of the pending token and the accepted path: positions now committed
+            assert hidden is not None, "a stream whose drafters read features needs the LLM's hidden states"
+            rows = torch.tensor([0] + [n + 1 for n in path], dtype=torch.long)[: len(new)]
+            for d in self.readers:
+                d.observe(hidden[rows.to(hidden.device)])
+        self.generated += new
+        self.committed += new
+        self.accept_lengths.append(len(new))
+        if self.record:
+            accepts = greedy_branch_accepts(tree, logits, maps) if sampling.greedy and self._drafted else []
+            step_s = time.perf_counter() - self._t_step
+            self.records.append(StepRecord(tree.size, accepts, self._draft_s, verify_s, step_s))
+        if self.on_tokens is not None:
+            self.on_tokens(new)
+
+    def result(self) -> GenerationResult:
+        """What the request produced so far (all of it once ``finished``)."""
+        res = GenerationResult(self.generated, self.accept_lengths, time.perf_counter() - self.start,
+                               self.finish or "cancelled", self.hits, active=self.names, records=self.records)
+        res.prefill_s, res.plan_s, res.plan = self.prefill_s, self.plan_s, self.plan
         return res
 
-    def _loop(
-        self, committed: list[int], stop: StopCriteria, sampling: SamplingParams,
-        on_tokens: TokenCallback | None, plan: Plan, record: bool,
-    ) -> GenerationResult:
-        """The speculative loop after the prefill, drafting with the drafters of ``plan``."""
-        gen = sampling.generator(self.llm.device)  # the verifier samples from p on the LLM's device
-        names = [name for name in self.drafters if name in plan.trees]
-        drafters = [(self.drafters[name], plan.trees[name]) for name in names]
-        readers = [d for d, _ in drafters if d.observes_features()]
-        records: list[StepRecord] = []
-        generated: list[int] = []
-        accept_lengths: list[int] = []
-        hits = dict.fromkeys(names, 0)
-        finish = None
-        while finish is None:
-            t_step = time.perf_counter()
-            prefix_len = len(committed) - 1
-            draft_s: list[float] = []
-            tree, maps = self._draft(torch.tensor(committed), sampling, gen, drafters, draft_s)
-            input_ids, pos, mask = verification_inputs(tree, committed[-1], prefix_len)
-            t_verify = time.perf_counter()
-            if readers:  # the same forward, keeping the LLM's last hidden states for the feature heads
-                logits, hidden = self.llm.forward_hidden(input_ids, pos, prefix_len, mask)  # (N + 1, V), (N + 1, H)
-            else:
-                logits = self.llm.forward(input_ids, pos, prefix_len, mask)  # (N + 1, V)
-            verify_s = time.perf_counter() - t_verify
-            if sampling.greedy:
-                path, bonus = greedy_verify(tree, logits)
-            else:
-                p = logits_to_probs(logits, sampling)  # (N + 1, V)
-                path, bonus = stochastic_verify(tree, p, gen) if tree.size else ([], int(sample(p, gen)[0]))
-            self.llm.keep(prefix_len, torch.tensor([0] + [n + 1 for n in path], dtype=torch.long))
-            for j, (d, _) in enumerate(drafters):
-                local = _local_path(maps[j], path)
-                hits[names[j]] += len(local)
-                d.accept(local)
-            new, finish = stop.cut(generated, tree.tokens[path].tolist() + [bonus])
-            if readers:  # features of the pending token and the accepted path: positions now committed
-                rows = torch.tensor([0] + [n + 1 for n in path], dtype=torch.long)[: len(new)]
-                for d in readers:
-                    d.observe(hidden[rows.to(hidden.device)])
-            generated += new
-            committed += new
-            accept_lengths.append(len(new))
-            if on_tokens is not None:
-                on_tokens(new)
-            if record:
-                accepts = greedy_branch_accepts(tree, logits, maps) if sampling.greedy else []
-                step_s = time.perf_counter() - t_step
-                records.append(StepRecord(tree.size, accepts, draft_s, verify_s, step_s))
-        return GenerationResult(generated, accept_lengths, 0.0, finish, hits, active=names, records=records)
+
+def _draft(
+    committed: Tensor, sampling: SamplingParams, gen: torch.Generator,
+    drafters: Sequence[tuple[Drafter, TreeConfig]], times: list[float],
+) -> tuple[TokenTree, list[Tensor]]:
+    """Merged tree of ``drafters``, each drafting its tree; appends each draft's seconds to ``times``."""
+    if not drafters:
+        return TokenTree.empty(), []
+    trees = []
+    for d, tree in drafters:
+        t0 = time.perf_counter()
+        trees.append(d.draft(committed, tree, sampling, gen))
+        times.append(time.perf_counter() - t0)
+    return merge_trees(trees, dedupe=sampling.greedy)
 
 
 def _local_path(merged_of_local: Tensor, path: list[int]) -> list[int]:

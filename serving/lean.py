@@ -33,7 +33,10 @@ Only plain llama layers qualify (:func:`lean_reason`): no attention or MLP bias,
 
 from __future__ import annotations
 
+import copy
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -147,42 +150,20 @@ class LeanRunner(ModelRunner):
                 new[:, : self._len] = old[:, : self._len]
         self._keys, self._values = keys, values
 
+    def spawn(self) -> LeanRunner:
+        """A runner of the same model and fused weights with an empty cache of its own (one per
+        request of a batch: :func:`run_many` feeds several at once)."""
+        other = copy.copy(self)
+        other._keys, other._values, other._len = [], [], 0
+        return other
+
     @torch.inference_mode()
     def _run(
         self, input_ids: Tensor, position_ids: Tensor, prefix_len: int, tree_mask: Tensor, hidden: bool
     ) -> tuple[Tensor, Tensor | None]:
         """What ``ModelRunner._run`` returns, computed layer by layer."""
-        t = input_ids.shape[1]
-        s0, s = self._len, self._len + t
-        assert position_ids.shape == input_ids.shape[:2], "position_ids must be (1, T)"
-        assert tree_mask.shape == (t, s - prefix_len), f"tree_mask must be ({t}, {s - prefix_len})"
-        dev, body = self.device, self._body
-        x = body.embed_tokens(input_ids.to(dev)) if input_ids.dim() == 2 else input_ids.to(dev)  # (1, T, H)
-        x = x.to(body.embed_tokens.weight.dtype)
-        cos, sin = body.rotary_emb(x, position_ids.to(dev))  # (1, T, C) each
-        self._reserve(s, x.dtype)
-        mask = tree_mask.to(dev)
-        q_n, g_n, c = self._q, self._g, self._c
-        for i, layer in enumerate(body.layers):
-            h = layer.input_layernorm(x)
-            qkv = self._qkv[i](h)  # (1, T, (Q + 2G) C)
-            q = qkv[..., : q_n * c].view(1, t, q_n, c).transpose(1, 2)  # (1, Q, T, C)
-            k = qkv[..., q_n * c : (q_n + g_n) * c].view(1, t, g_n, c).transpose(1, 2)  # (1, G, T, C)
-            v = qkv[..., (q_n + g_n) * c :].view(1, t, g_n, c).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            self._keys[i][:, s0:s] = k[0]
-            self._values[i][:, s0:s] = v[0]
-            att = tree_attention(q, self._keys[i][None, :, :s], self._values[i][None, :, :s], prefix_len, mask,
-                                 self._scale)  # (1, Q, T, C)
-            x = x + layer.self_attn.o_proj(att.transpose(1, 2).reshape(1, t, q_n * c))
-            h = layer.post_attention_layernorm(x)
-            gate, up = self._gate_up[i](h).chunk(2, dim=-1)
-            x = x + layer.mlp.down_proj(F.silu(gate) * up)
-        self._len = s
-        last = body.norm(x)[0]  # (T, H)
-        if self._head is not None:
-            return self._restricted_logits(last), (last.float() if hidden else None)
-        return self.model.get_output_embeddings()(last).float(), (last.float() if hidden else None)
+        return run_many([(self, Feed(input_ids, position_ids, prefix_len, tree_mask, hidden))])[0]
+
 
     @torch.inference_mode()  # the cache was made under inference mode
     def keep(self, start: int, offsets: Tensor) -> None:
@@ -196,3 +177,85 @@ class LeanRunner(ModelRunner):
 
     def crop(self, length: int) -> None:
         self._len = min(self._len, length)
+
+
+@dataclass(frozen=True)
+class Feed:
+    """What one runner is fed in a forward (the arguments of ``ModelRunner._run``).
+
+    Attributes:
+        inputs: (1, T) token ids, or (1, T, H) input embeddings.
+        position_ids: (1, T) positions.
+        prefix_len: P, cached positions every fed token sees.
+        tree_mask: (T, S - P) bool over the positions after the prefix, S = cached length + T.
+        hidden: also return the (T, H) fp32 last-layer hidden states.
+    """
+
+    inputs: Tensor
+    position_ids: Tensor
+    prefix_len: int
+    tree_mask: Tensor
+    hidden: bool = False
+
+
+@torch.inference_mode()
+def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor, Tensor | None]]:
+    """Feed several runners of one model (each its own request's cache) in one forward: the tokens of
+    all feeds go through every matrix product together, attention reads each runner's own cache.
+
+    Per feed, returns what that runner's ``_run`` would: the (T, V) fp32 logits and, with
+    ``Feed.hidden``, the (T, H) fp32 last-layer hidden states. One verification forward costs about
+    as much for a few tokens as for one on a CPU (weights are read once per product), so several
+    requests' trees verify for little more than one's (``serving/batch.py``)."""
+    first = feeds[0][0]
+    if any(r.model is not first.model or r._head is not first._head for r, _ in feeds):
+        raise ValueError("run_many feeds runners of one model with one LM head")
+    if len({id(r) for r, _ in feeds}) != len(feeds):
+        raise ValueError("run_many feeds each runner once")
+    dev, body = first.device, first._body
+    embeds, positions, spans = [], [], []
+    off = 0
+    for runner, f in feeds:
+        t = f.inputs.shape[1]
+        s = runner._len + t
+        assert f.position_ids.shape == f.inputs.shape[:2], "position_ids must be (1, T)"
+        assert f.tree_mask.shape == (t, s - f.prefix_len), f"tree_mask must be ({t}, {s - f.prefix_len})"
+        x = body.embed_tokens(f.inputs.to(dev)) if f.inputs.dim() == 2 else f.inputs.to(dev)  # (1, T, H)
+        embeds.append(x.to(body.embed_tokens.weight.dtype))
+        positions.append(f.position_ids.to(dev))
+        spans.append((off, off + t, runner._len, s, f.tree_mask.to(dev)))
+        off += t
+    x = torch.cat(embeds, dim=1) if len(embeds) > 1 else embeds[0]  # (1, sum T, H)
+    cos, sin = body.rotary_emb(x, torch.cat(positions, dim=1) if len(positions) > 1 else positions[0])
+    for (runner, _), (_, _, _, s, _) in zip(feeds, spans, strict=True):
+        runner._reserve(s, x.dtype)
+    q_n, g_n, c, n = first._q, first._g, first._c, x.shape[1]
+    for i, layer in enumerate(body.layers):
+        h = layer.input_layernorm(x)
+        qkv = first._qkv[i](h)  # (1, sum T, (Q + 2G) C)
+        q = qkv[..., : q_n * c].view(1, n, q_n, c).transpose(1, 2)  # (1, Q, sum T, C)
+        k = qkv[..., q_n * c : (q_n + g_n) * c].view(1, n, g_n, c).transpose(1, 2)  # (1, G, sum T, C)
+        v = qkv[..., (q_n + g_n) * c :].view(1, n, g_n, c).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        outs = []
+        for (runner, f), (a, b, s0, s, mask) in zip(feeds, spans, strict=True):
+            keys, values = runner._keys[i], runner._values[i]
+            keys[:, s0:s] = k[0, :, a:b]
+            values[:, s0:s] = v[0, :, a:b]
+            outs.append(tree_attention(q[:, :, a:b], keys[None, :, :s], values[None, :, :s], f.prefix_len, mask,
+                                       first._scale))  # (1, Q, T, C)
+        att = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (1, Q, sum T, C)
+        x = x + layer.self_attn.o_proj(att.transpose(1, 2).reshape(1, n, q_n * c))
+        h = layer.post_attention_layernorm(x)
+        gate, up = first._gate_up[i](h).chunk(2, dim=-1)
+        x = x + layer.mlp.down_proj(F.silu(gate) * up)
+    for (runner, _), (_, _, _, s, _) in zip(feeds, spans, strict=True):
+        runner._len = s
+    last = body.norm(x)[0]  # (sum T, H)
+    if first._head is not None:
+        logits = first._restricted_logits(last)
+    else:
+        logits = first.model.get_output_embeddings()(last).float()
+    hidden = last.float() if any(f.hidden for _, f in feeds) else None
+    return [(logits[a:b], hidden[a:b] if f.hidden and hidden is not None else None)
+            for (_, f), (a, b, _, _, _) in zip(feeds, spans, strict=True)]

@@ -121,6 +121,9 @@ class PromptLookupDrafter:
     def reset(self) -> None:
         pass
 
+    def spawn(self, memo: dict[int, object]) -> PromptLookupDrafter:
+        return self  # it keeps no state
+
     def observes_features(self) -> bool:
         return False
 

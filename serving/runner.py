@@ -19,6 +19,7 @@ them, and verification, which accepts any q, stays exact. FR-Spec (Zhao et al. 2
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -142,6 +143,12 @@ class ModelRunner:
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
+
+    def spawn(self) -> ModelRunner:
+        """A runner of the same model and LM head with an empty cache of its own: another request's."""
+        other = copy.copy(self)
+        other.reset()
+        return other
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, position_ids: Tensor, prefix_len: int, tree_mask: Tensor) -> Tensor:

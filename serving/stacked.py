@@ -46,6 +46,7 @@ Limits:
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -312,6 +313,13 @@ class StackedSSMs:
         self._synced = [0] * self.size
         self._pending, self._pending_key = {}, None
 
+    def spawn(self) -> StackedSSMs:
+        """The same stacked weights with caches of their own (another request's)."""
+        other = copy.copy(self)
+        other._keys, other._values, other._slots = [], [], []
+        other.reset()
+        return other
+
     def tree_for(
         self, member: int, committed: Tensor, tree: TreeConfig, sampling: SamplingParams,
         generator: torch.Generator | None,
@@ -510,6 +518,13 @@ class StackedMember:
 
     def reset(self) -> None:
         self.group.reset()  # every member's: the engine resets all drafters at a request's start
+
+    def spawn(self, memo: dict[int, object]) -> StackedMember:
+        if id(self.group) not in memo:
+            memo[id(self.group)] = self.group.spawn()
+        group = memo[id(self.group)]
+        assert isinstance(group, StackedSSMs)
+        return StackedMember(group, self.index)
 
     def observes_features(self) -> bool:
         return False

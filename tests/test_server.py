@@ -213,6 +213,52 @@ def test_disconnecting_clients_free_the_engine_at_once(client, server):
     assert r.model_extra["boosttune"]["queue_seconds"] < 2.0
 
 
+@pytest.fixture(scope="module")
+def batched_server(loaded):
+    # 8 tokens per step for 4 requests: trees are cut, and some steps go undrafted
+    config = ServerConfig(model_name=MODEL, torch_threads=1, max_batch=4, max_batch_tokens=8)
+    with ServerThread(create_app(loaded, config)) as url:
+        yield url
+
+
+def test_batched_server_gives_concurrent_clients_their_one_at_a_time_answers(client, batched_server):
+    batched = OpenAI(base_url=f"{batched_server}/v1", api_key="unused", max_retries=0, timeout=60)
+    jobs = [(PROMPTS[i % len(PROMPTS)], 6 + i % 5, i % 2 == 1) for i in range(16)]
+    serial = [_greedy(client, p, n, chat)[0] for p, n, chat in jobs]
+    with ThreadPoolExecutor(16) as pool:
+        concurrent = list(pool.map(lambda job: _greedy(batched, *job)[0], jobs))
+    assert concurrent == serial
+    stream = batched.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=9, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == _greedy(client, PROMPTS[1], 9)[0]
+    _wait_idle(batched_server)
+    assert httpx.get(f"{batched_server}/health").json()["running"] == 0
+
+
+def test_batched_server_drops_a_disconnected_client_and_keeps_decoding_the_others(client, batched_server):
+    batched = OpenAI(base_url=f"{batched_server}/v1", api_key="unused", max_retries=0, timeout=60)
+    want = _greedy(client, PROMPTS[5], max_tokens=40)[0]
+    cancelled = _metric(batched_server, "boosttune_cancelled_requests_total")
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0, "stream": True}
+    with ThreadPoolExecutor(1) as pool:
+        with httpx.stream("POST", f"{batched_server}/v1/completions", json=body, timeout=30) as r:
+            lines = (line for line in r.iter_lines() if line)
+            assert next(lines).startswith("data: ")
+            other = pool.submit(_greedy, batched, PROMPTS[5], 40)  # joins the long one's batch
+            for _ in range(5):
+                assert next(lines).startswith("data: ")
+        _wait_for_metric(batched_server, "boosttune_cancelled_requests_total", cancelled + 1)
+        assert other.result()[0] == want
+    assert _metric(batched_server, "boosttune_cancelled_requests_total") == cancelled + 1
+    _wait_idle(batched_server)
+
+
+def _wait_idle(server: str, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not _engine_idle(server):
+        assert time.monotonic() < deadline, "the engine is still busy"
+        time.sleep(0.05)
+
+
 def test_client_leaving_before_its_body_is_read_queues_nothing(client, server):
     cancelled, generated = (_metric(server, f"boosttune_{m}_total") for m in ("cancelled_requests", "generated_tokens"))
     sock = _raw_post(server, b'{"model": "tiny-bundle", "prompt": "Hel', declared_length=4000)

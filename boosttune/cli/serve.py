@@ -8,14 +8,22 @@ import math
 from boosttune.http.timeouts import ConnectionTimeouts
 
 
-def _positive_int(text: str) -> int:
+def _whole(text: str, unit: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of bytes, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a whole number{unit}, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _whole(text, " of bytes")
+
+
+def _count(text: str) -> int:
+    return _whole(text, "")
 
 
 def _seconds(text: str) -> float:
@@ -71,6 +79,12 @@ def add_commands(sub) -> dict:
     s.add_argument("--default-max-tokens", type=int, default=256, help="chat answer length when max_tokens is absent")
     s.add_argument("--threads", type=int, default=None,
                    help="torch threads of the engine (default: torch's; 1 is best on a CPU shared with other jobs)")
+    s.add_argument("--max-batch", type=_count, default=16, metavar="N",
+                   help="requests decoded at once, all their token trees verified in one forward per step "
+                        "(default 16; 1: one request at a time)")
+    s.add_argument("--max-batch-tokens", type=_count, default=64, metavar="N",
+                   help="tokens one batched step may verify in all; trees are cut to fit (default 64, at least "
+                        "--max-batch)")
     s.add_argument("--no-scheduler", action="store_true",
                    help="ignore the bundle's learned scheduler: every request drafts with all SSMs "
                         "(and prompt lookup if the bundle was exported with --prompt-lookup)")
@@ -88,7 +102,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                   body=args.body_timeout, send=args.send_timeout)
     config = ServerConfig(model_name=args.model_name, max_queue=args.max_queue,
                           max_request_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens,
-                          torch_threads=args.threads, use_scheduler=not args.no_scheduler, timeouts=timeouts)
+                          torch_threads=args.threads, use_scheduler=not args.no_scheduler, timeouts=timeouts,
+                          max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens)
     bundle = load_bundle(args.bundle, llm=args.llm, dtype=args.dtype, ssm_dtype=args.ssm_dtype)
     run_server(bundle, config, host=args.host, port=args.port, log_level=args.log_level)
     return 0

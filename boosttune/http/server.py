@@ -108,6 +108,10 @@ class ServerConfig:
         use_scheduler: plan every request with the bundle's learned scheduler, if it has one (False:
             every request drafts with all SSMs and the bundle's prompt-lookup default).
         timeouts: how long a client may take to send a request or to read the answer (connection.py).
+        max_batch: requests decoded at once, their trees verified in one LLM forward per step
+            (``serving/batch.py``); 1 serves one request at a time.
+        max_batch_tokens: tokens one batched step may verify in all (every request's pending token
+            included); trees beyond it are cut, or left undrafted for that step.
     """
 
     model_name: str | None = None
@@ -118,9 +122,14 @@ class ServerConfig:
     torch_threads: int | None = None
     use_scheduler: bool = True
     timeouts: ConnectionTimeouts = field(default_factory=ConnectionTimeouts)
+    max_batch: int = 1
+    max_batch_tokens: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("max_queue", "max_request_bytes", "default_max_tokens"):
+        if self.max_batch_tokens < self.max_batch:
+            raise ValueError(f"server max_batch_tokens ({self.max_batch_tokens}) must be at least max_batch "
+                             f"({self.max_batch}): every request feeds its pending token each step")
+        for name in ("max_queue", "max_request_bytes", "default_max_tokens", "max_batch", "max_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"server {name} must be >= 1, got {getattr(self, name)}")
         if self.torch_threads is not None and self.torch_threads < 1:
@@ -169,7 +178,8 @@ class _State:
         self.lookup = self.served.lookup
         self.drafter_names = list(self.served.engine.drafters)
         self.worker = EngineWorker(self.served, config.max_queue, on_finished=self._on_finished,
-                                   threads=config.torch_threads)
+                                   threads=config.torch_threads, max_batch=config.max_batch,
+                                   max_batch_tokens=config.max_batch_tokens)
         self.metrics = ServerMetrics(queue_depth=lambda: self.worker.queue_depth)
         self.shutting_down = False  # event-loop thread only, as is ``open``
         self.open: set[_Submission] = set()
@@ -482,7 +492,8 @@ def create_app(bundle: LoadedBundle, config: ServerConfig | None = None) -> Fast
         ok = state.worker.alive and not state.shutting_down
         status = "shutting down" if state.shutting_down else "ok" if ok else "engine worker stopped"
         body = {"status": status, "model": state.model_name,
-                "queue_depth": state.worker.queue_depth, "busy": state.worker.busy}
+                "queue_depth": state.worker.queue_depth, "busy": state.worker.busy,
+                "running": state.worker.running}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")

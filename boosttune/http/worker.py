@@ -3,8 +3,13 @@
 HTTP handlers run on the server's event loop; they enqueue a :class:`Job` and receive its events
 (tokens, then done / failed / cancelled) through ``Job.deliver``, which the worker calls from its
 thread (the server wraps it with ``loop.call_soon_threadsafe``). A client that goes away sets
-``Job.cancel``: a queued job is then skipped, and a running one stops after the current step
-(the token callback raises :class:`_Cancelled`, which the worker catches), so its slot frees at once.
+``Job.cancel``: a queued job is then skipped, and a running one stops after the current step, so its
+slot frees at once.
+
+With ``max_batch`` > 1 (and an engine that can batch, ``serving/batch.py``) the worker decodes up to
+that many jobs at once: between steps, waiting jobs join the batch (each prefilled as it joins) and
+finished or cancelled ones leave it; every step verifies all of their trees in one LLM forward.
+Otherwise it runs one job at a time, in arrival order.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from boosttune.assemble import Served
+from boosttune.serving.batch import BatchedDecoder, Member, batch_reason
 from boosttune.serving.engine import GenerationResult
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
@@ -88,15 +94,26 @@ class _Cancelled(Exception):
 
 
 class EngineWorker:
-    """Runs jobs one at a time on a dedicated thread, in arrival order."""
+    """Runs jobs on a dedicated thread: up to ``max_batch`` at once, joining in arrival order."""
 
     def __init__(self, served: Served, max_queue: int = 64,
-                 on_finished: Callable[[Job, Event], None] | None = None, threads: int | None = None):
+                 on_finished: Callable[[Job, Event], None] | None = None, threads: int | None = None,
+                 max_batch: int = 1, max_batch_tokens: int = 64):
         """``served``: the assembled engine (``boosttune/assemble.py``; its scheduler, if any, plans
         every request); ``on_finished(job, final_event)`` runs on the worker thread after each job
-        (metrics); ``threads``: torch intra-op threads of the worker (None: torch's default)."""
+        (metrics); ``threads``: torch intra-op threads of the worker (None: torch's default);
+        ``max_batch``: jobs decoded at once (1: one at a time); ``max_batch_tokens``: tokens one
+        batched step may verify in all (``BatchedDecoder``)."""
         self.served = served
         self.threads = threads
+        self.batch: BatchedDecoder | None = None
+        if max_batch > 1:
+            why = batch_reason(served.engine)
+            if why is None:
+                self.batch = BatchedDecoder(served.engine, max_batch, max(max_batch_tokens, max_batch))
+            else:
+                log.warning("serving one request at a time: this engine cannot batch requests (%s)", why)
+        self._active: dict[int, tuple[Job, float]] = {}  # batched jobs by id(Member): the job, its queue time
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._on_finished = on_finished
         self._thread = threading.Thread(target=self._run, name="boosttune-engine", daemon=True)
@@ -114,6 +131,8 @@ class EngineWorker:
         current = self._current
         if current is not None:
             current.cancel.set()
+        for job, _ in list(self._active.values()):
+            job.cancel.set()
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -142,7 +161,12 @@ class EngineWorker:
 
     @property
     def busy(self) -> bool:
-        return self._current is not None
+        return self._current is not None or bool(self._active)
+
+    @property
+    def running(self) -> int:
+        """Jobs being decoded now."""
+        return len(self._active) if self.batch is not None else int(self._current is not None)
 
     @property
     def alive(self) -> bool:
@@ -159,6 +183,9 @@ class EngineWorker:
                 self.served.generate(self._warmup_ids, StopCriteria(max_new_tokens=4))
             except Exception:
                 log.exception("engine warm-up failed")
+        if self.batch is not None:
+            self._run_batched(self.batch)
+            return
         while True:
             job = self._queue.get()
             if job is None:
@@ -171,6 +198,64 @@ class EngineWorker:
                 self._finish(job, self._generate(job))
             finally:
                 self._current = None
+
+    def _run_batched(self, batch: BatchedDecoder) -> None:
+        """Admit waiting jobs while the batch has room, drop cancelled ones, step, hand out the finished."""
+        while True:
+            while not batch.full:
+                try:
+                    job = self._queue.get(block=not len(batch))  # wait only when nothing is decoding
+                except queue.Empty:
+                    break
+                if job is None:
+                    for member in list(batch.members):
+                        self._leave(batch, member, CancelledEvent())
+                    return
+                self._admit(batch, job)
+            for member in list(batch.members):
+                job, _ = self._active[id(member)]
+                if job.cancel.is_set():
+                    self._leave(batch, member, CancelledEvent())
+            if not len(batch):
+                continue
+            try:
+                left = batch.step()
+            except Exception as e:  # the shared forward failed: every job in it fails, the worker stays up
+                log.exception("engine failed on a batched step")
+                for member in list(batch.members):
+                    self._leave(batch, member, FailedEvent(f"{type(e).__name__}: {e}"))
+                continue
+            for member in left:
+                job, queue_time = self._active.pop(id(member))
+                if member.error is not None:
+                    log.error("engine failed on a request", exc_info=member.error)
+                    self._finish(job, FailedEvent(f"{type(member.error).__name__}: {member.error}"))
+                else:
+                    self._finish(job, DoneEvent(member.stream.result(), queue_time))
+
+    def _admit(self, batch: BatchedDecoder, job: Job) -> None:
+        """Prefill ``job`` into the batch (or finish it: cancelled, or failed)."""
+        if job.cancel.is_set():
+            self._finish(job, CancelledEvent())
+            return
+        queue_time = time.perf_counter() - job.enqueued
+
+        def on_tokens(tokens: list[int]) -> None:
+            job.deliver(TokensEvent(list(tokens)))
+
+        try:
+            member = batch.add(job.prompt_ids, job.stop, job.sampling, on_tokens,
+                               planner=self.served.planner(job.prompt_ids, job.chat))
+        except Exception as e:  # one bad request must not stop the worker
+            log.exception("engine failed on a request")
+            self._finish(job, FailedEvent(f"{type(e).__name__}: {e}"))
+            return
+        self._active[id(member)] = (job, queue_time)
+
+    def _leave(self, batch: BatchedDecoder, member: Member, event: Event) -> None:
+        batch.remove(member)
+        job, _ = self._active.pop(id(member))
+        self._finish(job, event)
 
     def _generate(self, job: Job) -> Event:
         queue_time = time.perf_counter() - job.enqueued

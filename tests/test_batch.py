@@ -1,0 +1,144 @@
+"""Batched decoding: several requests verified in one LLM forward decode exactly as each would alone (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import noisy_head, perturbed, tiny_llama
+
+from boosttune.assemble import engine_from_models
+from boosttune.serving.batch import BatchedDecoder, batch_reason
+from boosttune.serving.engine import Plan, SpeculativeEngine
+from boosttune.serving.lean import Feed, LeanRunner, run_many
+from boosttune.serving.runner import ModelRunner
+from boosttune.serving.sampling import SamplingParams
+from boosttune.serving.stops import StopCriteria
+from boosttune.serving.tree import TreeConfig
+
+PROMPTS = [[5, 9, 11, 5, 9], [7], [3, 4, 5, 6, 7, 8, 3, 4, 5, 6, 7, 8, 3, 4], [20, 21, 22, 20, 21], [2, 30, 31, 32, 33, 2]]
+LENGTHS = [24, 9, 30, 17, 12]
+
+
+@pytest.fixture(scope="module")
+def models():
+    llm = tiny_llama(0, vocab=64, layers=2)
+    return llm, perturbed(llm, 1, 0.3), noisy_head(llm, 2, 0.2)
+
+
+def _engine(models, kinds=("ssm", "feature"), lookup=4) -> SpeculativeEngine:
+    llm, ssm, head = models
+    drafters = {"ssm": ssm, "feature": head}
+    named = {k: drafters[k] for k in kinds}
+    trees = {"ssm": TreeConfig(widths=(2, 2, 1)), "feature": TreeConfig(widths=(3, 1))}
+    return engine_from_models(llm, named, {k: trees[k] for k in kinds}, lookup=lookup,
+                              kinds={k: k for k in kinds})
+
+
+def _alone(engine, i, sampling=None):
+    return engine.generate(PROMPTS[i], StopCriteria(max_new_tokens=LENGTHS[i]), sampling).tokens
+
+
+def _run_batch(batch: BatchedDecoder, joins: dict[int, list[int]], sampling=lambda i: None) -> dict[int, list[int]]:
+    """Step the batch; at step s the requests ``joins[s]`` join. Returns each request's tokens."""
+    streamed: dict[int, list[int]] = {}
+    out: dict[int, list[int]] = {}
+    step = 0
+    while step <= max(joins) or len(batch):
+        for i in joins.get(step, []):
+            streamed[i] = []
+            batch.add(PROMPTS[i], StopCriteria(max_new_tokens=LENGTHS[i]), sampling(i),
+                      on_tokens=streamed[i].extend, tag=i)
+        for m in batch.step():
+            assert m.error is None, m.error
+            out[m.tag] = m.stream.result().tokens
+            assert streamed[m.tag] == out[m.tag], "streamed tokens are the result's"
+        step += 1
+    return out
+
+
+def test_run_many_computes_what_each_runner_computes_alone(models):
+    llm = models[0]
+    base = LeanRunner(llm)
+    solo = [base.spawn() for _ in range(3)]
+    batched = [base.spawn() for _ in range(3)]
+    for runners in (solo, batched):  # three requests of different lengths in the cache
+        for r, n in zip(runners, (3, 7, 1), strict=True):
+            r.forward_chain(torch.arange(2, 2 + n))
+    feeds = []
+    for r, t in zip(batched, (1, 4, 2), strict=True):
+        p = r.cached_len
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        feeds.append((r, Feed(torch.arange(5, 5 + t).unsqueeze(0), torch.arange(p, p + t).unsqueeze(0), p, mask,
+                              hidden=t == 4)))
+    outs = run_many(feeds)
+    for (r, f), s, (logits, hidden) in zip(feeds, solo, outs, strict=True):
+        want, want_hidden = s.forward_hidden(f.inputs, f.position_ids, f.prefix_len, f.tree_mask)
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+        assert (hidden is None) == (not f.hidden)
+        if f.hidden:
+            torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-5)
+        assert r.cached_len == s.cached_len
+
+
+@pytest.mark.parametrize("max_tokens", [64, 9])  # 8: trees cut to the budget, some steps without drafting
+def test_greedy_requests_joining_mid_stream_decode_as_alone(models, max_tokens):
+    engine = _engine(models)
+    want = {i: _alone(engine, i) for i in range(len(PROMPTS))}
+    batch = BatchedDecoder(engine, max_batch=5, max_tokens=max_tokens)
+    got = _run_batch(batch, {0: [0, 1, 2], 2: [3], 5: [4]})
+    assert got == want
+
+
+def test_sampled_requests_decode_as_alone_with_their_seeds(models):
+    engine = _engine(models)
+    params = {i: SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i) for i in range(len(PROMPTS))}
+    want = {i: _alone(engine, i, params[i]) for i in range(len(PROMPTS))}
+    batch = BatchedDecoder(engine, max_batch=5, max_tokens=256)  # room for every tree: no step without drafting
+    got = _run_batch(batch, {0: [0, 1], 1: [2, 3, 4]}, sampling=params.get)
+    assert got == want
+
+
+def test_a_removed_request_frees_its_caches_for_the_next(models):
+    engine = _engine(models, kinds=("feature",), lookup=0)
+    want = {i: _alone(engine, i) for i in range(len(PROMPTS))}
+    batch = BatchedDecoder(engine, max_batch=2, max_tokens=16)
+    a = batch.add(PROMPTS[2], StopCriteria(max_new_tokens=LENGTHS[2]), tag=2)
+    b = batch.add(PROMPTS[0], StopCriteria(max_new_tokens=LENGTHS[0]), tag=0)
+    assert batch.full
+    batch.step()
+    batch.remove(a)  # cancelled after one step
+    c = batch.add(PROMPTS[3], StopCriteria(max_new_tokens=LENGTHS[3]), tag=3)
+    assert c.caches[0] is a.caches[0], "the cancelled request's caches serve the next one"
+    done = {}
+    while len(batch):
+        for m in batch.step():
+            done[m.tag] = m.stream.result().tokens
+    assert done == {0: want[0], 3: want[3]}
+    assert b.stream.finished
+
+
+def test_a_failing_request_leaves_the_others_decoding(models):
+    engine = _engine(models, kinds=("ssm",), lookup=0)
+    want = _alone(engine, 0)
+    batch = BatchedDecoder(engine, max_batch=2, max_tokens=16)
+    good = batch.add(PROMPTS[0], StopCriteria(max_new_tokens=LENGTHS[0]))
+
+    def boom(tokens):
+        raise RuntimeError("client went away")
+
+    bad = batch.add(PROMPTS[1], StopCriteria(max_new_tokens=LENGTHS[1]), on_tokens=boom)
+    left = batch.step()
+    assert left == [bad] and isinstance(bad.error, RuntimeError)
+    while len(batch):
+        batch.step()
+    assert good.stream.result().tokens == want
+
+
+def test_engines_that_cannot_batch_say_why(models):
+    llm = models[0]
+    engine = SpeculativeEngine(ModelRunner(llm), {}, Plan())
+    assert "lean" in batch_reason(engine)
+    with pytest.raises(ValueError, match="cannot batch"):
+        BatchedDecoder(engine)
+    with pytest.raises(ValueError, match="max_tokens"):
+        BatchedDecoder(_engine(models), max_batch=8, max_tokens=4)
