@@ -19,9 +19,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from boosttune.core.device import resolve_device
 from boosttune.core.models import LoadedModel, load_llm_and_ssms
 from boosttune.core.rundir import SCHEDULER_FILE, ssm_name
 from boosttune.scheduler.policy import Scheduler
@@ -142,13 +144,14 @@ def _stacked_ssms(
 
 def from_refs(
     llm: str, ssms: Sequence[str], tree: TreeConfig, *, dtype: str = "fp32", ssm_dtype: str | None = None,
-    draft_ranking: str | None = None, lookup: int = 0,
+    draft_ranking: str | None = None, lookup: int = 0, device: str | torch.device = "cpu",
 ) -> Served:
     """Models named on the command line (``default``, a directory or a hub id), the SSMs as ssm-1 ..,
-    each of the kind its directory declares; ``draft_ranking``: the ranking for ``tree.draft_vocab`` > 0
-    (None: found next to the first SSM)."""
+    each of the kind its directory declares, all on ``device``; ``draft_ranking``: the ranking for
+    ``tree.draft_vocab`` > 0 (None: found next to the first SSM)."""
+    device = resolve_device(device)
     ranking = ranking_for(tree.draft_vocab, draft_ranking, ssms)  # before any model loads
-    loaded_llm, loaded = load_llm_and_ssms(llm, list(ssms), dtype, ssm_dtype or dtype)
+    loaded_llm, loaded = load_llm_and_ssms(llm, list(ssms), dtype, ssm_dtype or dtype, device=device)
     named = dict(zip(ssm_names(len(loaded)), loaded, strict=True))
     engine = engine_from_models(loaded_llm.model, {n: s.model for n, s in named.items()}, tree, ranking, lookup,
                                 kinds={n: s.kind for n, s in named.items()})
@@ -203,7 +206,7 @@ def from_bundle(
 def load(
     *, bundle: str | Path | None = None, llm: str | None = None, ssms: Sequence[str] = (), dtype: str = "fp32",
     ssm_dtype: str | None = None, tree: TreeConfig | None = None, draft_ranking: str | None = None,
-    lookup: int | None = None, use_scheduler: bool = True,
+    lookup: int | None = None, use_scheduler: bool = True, device: str | torch.device = "cpu",
 ) -> Served:
     """Load and assemble what a command decodes with (`boosttune generate` and `bench`).
 
@@ -219,15 +222,17 @@ def load(
             else found next to the first SSM).
         lookup: prompt lookup's chain length (None: the bundle's default, else 0 = off).
         use_scheduler: plan requests with the bundle's learned scheduler, if it has one.
+        device: where the models run (``core/device.py``), checked before anything loads.
     """
+    device = resolve_device(device)
     if lookup is not None and lookup < 0:
         raise ValueError(f"--prompt-lookup must be >= 0 (0 = off), got {lookup}")
     if bundle is None:
         return from_refs(llm or "default", ssms, tree or TreeConfig(), dtype=dtype, ssm_dtype=ssm_dtype,
-                         draft_ranking=draft_ranking, lookup=lookup or 0)
+                         draft_ranking=draft_ranking, lookup=lookup or 0, device=device)
     if ssms:
         raise ValueError("--ssm cannot be combined with a bundle: the bundle's SSMs are used")
-    loaded = load_bundle(bundle, llm=llm, dtype=dtype, ssm_dtype=ssm_dtype or dtype)
+    loaded = load_bundle(bundle, llm=llm, dtype=dtype, ssm_dtype=ssm_dtype or dtype, device=device)
     ranking = None
     if draft_ranking is not None:
         needs = [tree.draft_vocab] if tree is not None else [d.tree.draft_vocab for d in loaded.manifest.models]

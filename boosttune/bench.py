@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from boosttune import assemble, llama_cpp
+from boosttune.core.device import resolve_device
 from boosttune.core.models import LoadedModel, eos_token_ids, parse_dtype
 from boosttune.core.prompts import Prompt, encode_prompt, read_prompts
 from boosttune.core.table import text_table
@@ -77,6 +78,9 @@ class BenchConfig:
         draft_gguf: the draft model of ``llama_draft`` (a GGUF from `boosttune export RUN --format gguf`).
         llama_draft_max: the most tokens llama.cpp drafts per step (None: llama.cpp's default for
             llama_draft; ``prompt_lookup`` or 8 for llama_ngram).
+        device: where the LLM and the drafters run in every method (``core/device.py``: auto, cpu,
+            cuda, cuda:N); each method's inputs go to the LLM's device. The llama.cpp methods ignore
+            it (llama-server runs where its build runs).
     """
 
     questions: str
@@ -98,6 +102,7 @@ class BenchConfig:
     llm_gguf: str | None = None
     draft_gguf: str | None = None
     llama_draft_max: int | None = None
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         if self.methods is None:
@@ -132,9 +137,10 @@ class BenchConfig:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.limit < 0:
             raise ValueError(f"--limit must be >= 0, got {self.limit}")
-        parse_dtype(self.dtype)
+        device = resolve_device(self.device)
+        parse_dtype(self.dtype, device)
         if self.ssm_dtype is not None:
-            parse_dtype(self.ssm_dtype)
+            parse_dtype(self.ssm_dtype, device)
         self.llama_paths()
 
     def llama_methods(self) -> list[str]:
@@ -270,7 +276,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         raise ValueError(f"--questions: no prompts found in {cfg.questions}")
     served = assemble.load(
         bundle=cfg.bundle, llm=cfg.llm, ssms=cfg.ssms, dtype=cfg.dtype, ssm_dtype=cfg.ssm_dtype, tree=cfg.tree,
-        draft_ranking=cfg.draft_ranking, lookup=cfg.prompt_lookup, use_scheduler=cfg.use_scheduler,
+        draft_ranking=cfg.draft_ranking, lookup=cfg.prompt_lookup, use_scheduler=cfg.use_scheduler, device=cfg.device,
     )
     llm, ssms = served.llm, list(served.models.values())
     tok = llm.tokenizer
@@ -374,6 +380,7 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, serv
         "hf_lookup_identical": same("hf_lookup"),
         "prompt_lookup": served.lookup,
         "dtype": cfg.dtype,
+        "device": str(served.llm.model.device),
         "ssm_dtype": cfg.ssm_dtype or cfg.dtype,
         "llm": served.llm.ref,
         "ssms": list(served.models) if cfg.bundle is not None else cfg.ssms,

@@ -314,6 +314,7 @@ def load_bundle(
     llm: str | None = None,
     dtype: str | torch.dtype = "fp32",
     ssm_dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
 ) -> LoadedBundle:
     """Validate a bundle (:func:`verify_bundle`), then load its LLM, its drafters' models (each through
     its kind) and its tokenizer.
@@ -323,15 +324,20 @@ def load_bundle(
         llm: where the LLM is, overriding the manifest's reference (its hash is still checked).
         dtype: dtype of the LLM, and of the drafters unless ``ssm_dtype`` is given.
         ssm_dtype: dtype of the drafters (the output depends only on the LLM's).
+        device: where the LLM and the drafters run (``core/device.py``: ``auto``, ``cpu``, ``cuda``,
+            ``cuda:N``), checked before anything is read; dtype ``auto`` is resolved for it.
     """
+    from boosttune.core.device import resolve_device
     from boosttune.core.models import LoadedModel, check_same_vocabulary, model_vocab_size, parse_dtype
 
+    device = resolve_device(device)
     verified = verify_bundle(bundle, llm)
     root, manifest = verified.root, verified.manifest
-    llm_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
-    ssm_torch_dtype = llm_dtype if ssm_dtype is None else (parse_dtype(ssm_dtype) if isinstance(ssm_dtype, str) else ssm_dtype)
+    llm_dtype = parse_dtype(dtype, device) if isinstance(dtype, str) else dtype
+    ssm_torch_dtype = llm_dtype if ssm_dtype is None else (
+        parse_dtype(ssm_dtype, device) if isinstance(ssm_dtype, str) else ssm_dtype)
     tokenizer = load_tokenizer(root, manifest)
-    llm_model = kinds.load_causal_lm(verified.llm_dir, llm_dtype)
+    llm_model = kinds.load_causal_lm(verified.llm_dir, llm_dtype, device)
     gen = llm_model.generation_config
     if gen is not None and gen.pad_token_id is None:
         eos = gen.eos_token_id if gen.eos_token_id is not None else tokenizer.eos_token_id
@@ -343,7 +349,7 @@ def load_bundle(
             models[entry.name] = None
             continue
         try:
-            model = kinds.kind(entry.kind).load(root / entry.dir, ssm_torch_dtype)
+            model = kinds.kind(entry.kind).load(root / entry.dir, ssm_torch_dtype, device)
         except (OSError, ValueError, RuntimeError, TypeError) as e:  # e.g. weights that do not fit the config
             raise BundleError(f"bundle directory {entry.dir}: the {entry.kind} drafter does not load ({e}); "
                               "re-export the bundle") from None

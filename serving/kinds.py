@@ -122,9 +122,9 @@ class DrafterKind:
                                  f"that {_CONFIG} describes needs {list(needed[name])}")
         return model
 
-    def load(self, directory: Path, dtype: torch.dtype) -> nn.Module | None:
-        """The drafter's model, in eval mode without gradients."""
-        return load_causal_lm(directory, dtype)
+    def load(self, directory: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> nn.Module | None:
+        """The drafter's model on ``device``, in eval mode without gradients."""
+        return load_causal_lm(directory, dtype, device)
 
     def drafter(self, model: nn.Module | None, vocab_size: int, ranking: Tensor | None) -> Drafter:
         """The drafter that serves ``model`` for an LLM of ``vocab_size`` logits."""
@@ -139,11 +139,12 @@ class DrafterKind:
         return tree
 
 
-def load_causal_lm(directory: Path, dtype: torch.dtype) -> nn.Module:
-    """A transformers causal LM from ``directory`` for inference (safetensors only: nothing unpickled)."""
+def load_causal_lm(directory: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> nn.Module:
+    """A transformers causal LM from ``directory`` on ``device`` for inference (safetensors only: nothing
+    unpickled)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, use_safetensors=True)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, use_safetensors=True, device_map=str(device))
     model.eval()
     model.requires_grad_(False)
     return model
@@ -259,9 +260,9 @@ class FeatureKind(DrafterKind):
             raise ValueError(f"{fc_file}: 'weight' has shape {list(found['weight'])}, the head's width needs "
                              f"[{hidden}, {2 * hidden}]")
 
-    def load(self, directory, dtype):
-        model = super().load(directory, dtype)
-        attach_fc(model, directory)
+    def load(self, directory, dtype, device="cpu"):
+        model = super().load(directory, dtype, device)
+        attach_fc(model, directory)  # on the model's device
         return model
 
     def drafter(self, model, vocab_size, ranking):
@@ -293,7 +294,7 @@ class PromptLookupKind(DrafterKind):
     def check(self, directory):
         pass
 
-    def load(self, directory, dtype):
+    def load(self, directory, dtype, device="cpu"):
         return None
 
     def drafter(self, model, vocab_size, ranking):

@@ -65,9 +65,11 @@ def test_bench_baseline_runs_through_the_engines_llm_runner_beside_transformers(
     alone); hf_plain is transformers' own incremental decoding, the same tokens in fp32."""
     out = tmp_path / "bench"
     assert main(["bench", "--llm", str(tiny_dirs / "llm"), "--ssm", str(tiny_dirs / "ssm"), "--questions", str(MT_BENCH),
-                 "--limit", "2", "--max-new-tokens", "8", "--methods", "baseline,hf_plain,ours", "--out", str(out)]) == 0
+                 "--limit", "2", "--max-new-tokens", "8", "--methods", "baseline,hf_plain,ours", "--out", str(out),
+                 "--device", "cpu"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["llm_runner"] == "LeanRunner" and summary["hf_plain_tokens_per_s"] > 0
+    assert summary["device"] == "cpu"  # every method's models and inputs
     assert summary["hf_plain_identical"] == summary["greedy_identical"] == 2
     assert "hf_plain (transformers)" in capsys.readouterr().out
     baseline = [json.loads(line) for line in (out / "baseline.jsonl").read_text().splitlines()]

@@ -64,10 +64,13 @@ def test_train_scheduler_writes_scheduler_and_report(run_dir, capsys):
             "learned,all,none",
             "--draft-vocab",
             "40",
+            "--device",
+            "cpu",
         ]
     )
     assert rc == 0
     report = json.loads((run_dir / "scheduler_report.json").read_text())
+    assert report["llm"]["device"] == "cpu"  # where the costs were timed
     assert (run_dir / "scheduler_report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (run_dir / "scheduler" / "complete.json").is_file()
     policies = report["policies"]

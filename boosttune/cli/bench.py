@@ -54,7 +54,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         use_scheduler=not args.no_scheduler, limit=args.limit, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
         ssm_dtype=args.ssm_dtype, tree=tree_override(args), chat=not args.no_chat, draft_ranking=args.draft_ranking,
         prompt_lookup=args.prompt_lookup, methods=methods, llama_server=args.llama_server, llm_gguf=args.llm_gguf,
-        draft_gguf=args.draft_gguf, llama_draft_max=args.llama_draft_max,
+        draft_gguf=args.draft_gguf, llama_draft_max=args.llama_draft_max, device=args.device,
     )
     try:
         with sigterm_exits():

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING
 
+from boosttune.core.device import DEVICE_FORMS, device_arg
 from boosttune.serving.tree import (
     MAX_TREE_DEPTH,
     MAX_TREE_NODES,
@@ -111,17 +112,29 @@ def add_prompt_lookup_arg(p: argparse.ArgumentParser, default: str, scope: str =
                                        f"0 = off, at most {MAX_TREE_DEPTH}; default: {default}"))
 
 
+DTYPE_HELP = ("fp32, bf16 or auto (bf16 where --device multiplies bf16 natively: a CUDA GPU with bf16, or a CPU "
+              "with AMX or AVX512-BF16; else fp32)")
+"""What ``--dtype`` takes, in every command that loads models."""
+
+
+def add_device_arg(p: argparse.ArgumentParser) -> None:
+    """--device: where the LLM and every drafter run (``core/device.py``); its form is checked here, the
+    machine's devices when the command runs, before any model loads."""
+    p.add_argument("--device", type=device_arg, default="auto", metavar="DEVICE",
+                   help=f"{DEVICE_FORMS}: where the LLM and the drafters run (default auto: CUDA when torch "
+                        "sees a CUDA device, else the CPU)")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--llm, --ssm, the dtypes, the tree flags, --draft-vocab/--draft-ranking and --prompt-lookup."""
+    """--llm, --ssm, the dtypes, --device, the tree flags, --draft-vocab/--draft-ranking and --prompt-lookup."""
     default = TreeConfig()
     p.add_argument("--llm", default=None,
                    help="LLM: 'default' (SmolLM2-135M-Instruct, the default), a local path or a hub id; with a "
                         "bundle, where its LLM is (its hash is still checked)")
     p.add_argument("--ssm", action="append", default=[], metavar="SSM",
                    help="an SSM (path or hub id); repeat for several; 'default' uses the LLM itself as SSM")
-    p.add_argument("--dtype", default="fp32",
-                   help="fp32, bf16 or auto (bf16 where this CPU multiplies bf16 natively: AMX or AVX512-BF16; "
-                        "else fp32) for the LLM, and the SSMs unless --ssm-dtype (default fp32)")
+    p.add_argument("--dtype", default="fp32", help=f"{DTYPE_HELP}, for the LLM, and the SSMs unless --ssm-dtype (default fp32)")
+    add_device_arg(p)
     p.add_argument("--ssm-dtype", default=None, help="dtype of the SSMs (default: --dtype); the output depends only on the LLM's")
     p.add_argument("--tree", default=None, choices=sorted(TREE_POLICIES), help=f"tree policy (default {default.kind})")
     p.add_argument("--widths", type=tree_widths, default=None,
@@ -184,5 +197,5 @@ def assemble_from_args(args: argparse.Namespace) -> Served:
     return assemble.load(
         bundle=args.bundle, llm=args.llm, ssms=ssm_refs(args), dtype=args.dtype, ssm_dtype=args.ssm_dtype,
         tree=tree_override(args), draft_ranking=args.draft_ranking, lookup=args.prompt_lookup,
-        use_scheduler=not args.no_scheduler,
+        use_scheduler=not args.no_scheduler, device=args.device,
     )

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from boosttune.cli.flags import add_device_arg
+
 
 def _ints(text: str) -> tuple[int, ...]:
     try:
@@ -59,6 +61,7 @@ def add_commands(subparsers) -> dict:
     )
     p.add_argument("--dtype", default=None, help="LLM dtype (default: the run's)")
     p.add_argument("--ssm-dtype", default=None, help="SSM dtype (default: --dtype)")
+    add_device_arg(p)  # the costs are timed there: fit the scheduler on the device that will serve
     p.add_argument("--draft-vocab", type=int, default=None, metavar="K",
                    help="SSMs draft over the run's K most frequent tokens (cheaper drafts; 0 = whole vocabulary)")
     p.add_argument("--no-prompt-lookup", action="store_const", const=False, dest="prompt_lookup", default=None,
@@ -105,9 +108,12 @@ def base_config(run_dir: str, config: str | None):
 
 
 def cmd_train_scheduler(args: argparse.Namespace) -> int:
+    from boosttune.core.device import resolve_device
     from boosttune.core.rundir import RunDir
-    from boosttune.scheduler.offline.train import train_scheduler
+    from boosttune.scheduler.offline.train import RunModels, train_scheduler
     from boosttune.train.draft_ranking import ensure_draft_ranking
+
+    device = resolve_device(args.device)  # before anything is read or loaded
 
     cfg = base_config(args.run_dir, args.config).replace(
         prompts=args.prompts,
@@ -135,5 +141,5 @@ def cmd_train_scheduler(args: argparse.Namespace) -> int:
     )
     if cfg.draft_vocab:  # runs from before the ranking existed: count it from their teacher outputs
         ensure_draft_ranking(RunDir(args.run_dir))
-    train_scheduler(args.run_dir, cfg)
+    train_scheduler(args.run_dir, cfg, models=RunModels.of_run(RunDir(args.run_dir), device=str(device)))
     return 0

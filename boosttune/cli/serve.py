@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from boosttune.cli.flags import DTYPE_HELP, add_device_arg
 from boosttune.http.timeouts import ConnectionTimeouts
 
 
@@ -56,9 +57,9 @@ def add_commands(sub) -> dict:
                    help="where the LLM is, overriding the bundle's reference (its hash is still checked)")
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    s.add_argument("--dtype", default="fp32", help="fp32, bf16 or auto (bf16 where this CPU multiplies bf16 "
-                                                 "natively, else fp32) for the LLM, and the SSMs unless --ssm-dtype")
+    s.add_argument("--dtype", default="fp32", help=f"{DTYPE_HELP}, for the LLM, and the SSMs unless --ssm-dtype")
     s.add_argument("--ssm-dtype", default=None, help="dtype of the SSMs (default: --dtype)")
+    add_device_arg(s)
     s.add_argument("--model-name", default=None, type=_model_name,
                    help="model id clients send (default: the bundle directory's name)")
     s.add_argument("--max-queue", type=int, default=64, help="requests that may wait for the engine (then 503)")
@@ -104,6 +105,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_request_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens,
                           torch_threads=args.threads, use_scheduler=not args.no_scheduler, timeouts=timeouts,
                           max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens)
-    bundle = load_bundle(args.bundle, llm=args.llm, dtype=args.dtype, ssm_dtype=args.ssm_dtype)
+    bundle = load_bundle(args.bundle, llm=args.llm, dtype=args.dtype, ssm_dtype=args.ssm_dtype, device=args.device)
     run_server(bundle, config, host=args.host, port=args.port, log_level=args.log_level)
     return 0

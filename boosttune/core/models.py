@@ -295,15 +295,16 @@ def resolve_model_path(ref: str) -> str:
     return os.path.dirname(config_file)
 
 
-def load_model(ref: str, dtype: torch.dtype | str = torch.float32, device: str = "cpu") -> LoadedModel:
+def load_model(ref: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
     """Load a causal LM and its tokenizer for inference.
 
     Args:
         ref: ``"default"`` (the embedded SmolLM2-135M-Instruct), a local directory, or a hub id.
-        dtype: parameter dtype, a ``torch.dtype`` or a name accepted by :func:`parse_dtype`.
+        dtype: parameter dtype, a ``torch.dtype`` or a name accepted by :func:`parse_dtype` (``auto``
+            is resolved for ``device``).
         device: where to put the parameters (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...).
     """
-    torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    torch_dtype = parse_dtype(dtype, device) if isinstance(dtype, str) else dtype
     if not isinstance(torch_dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or a name such as 'bf16', got {dtype!r}")
     path = resolve_model_path(ref)
@@ -311,7 +312,7 @@ def load_model(ref: str, dtype: torch.dtype | str = torch.float32, device: str =
     # everything else loads from the resolved directory.
     source = path if _is_builtin(ref) or os.path.isdir(os.path.expanduser(ref)) else ref
     tokenizer = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, device_map=device)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, device_map=str(device))
     if is_feature_dir(path):
         attach_fc(model, path)
     model.eval()
@@ -372,9 +373,10 @@ def check_same_vocabulary(
 
 
 def load_ssms(llm: LoadedModel, refs: Sequence[str | Path], dtype: torch.dtype | str) -> list[LoadedModel]:
-    """The drafters ``refs`` name, for an LLM already loaded: each one's vocabulary checked against the
-    LLM's before any decoding, and its kind as its directory declares it (``core/kind_file.py``)."""
-    ssms = [load_model(str(ref), dtype=dtype) for ref in refs]
+    """The drafters ``refs`` name, for an LLM already loaded, on the LLM's device: each one's vocabulary
+    checked against the LLM's before any decoding, and its kind as its directory declares it
+    (``core/kind_file.py``)."""
+    ssms = [load_model(str(ref), dtype=dtype, device=llm.model.device) for ref in refs]
     for ref, ssm in zip(refs, ssms, strict=True):
         check_same_vocabulary(
             llm.tokenizer, ssm.tokenizer, model_vocab_size(llm.model), model_vocab_size(ssm.model), str(ref)
@@ -384,10 +386,11 @@ def load_ssms(llm: LoadedModel, refs: Sequence[str | Path], dtype: torch.dtype |
 
 
 def load_llm_and_ssms(
-    llm_ref: str, ssm_refs: list[str], dtype: torch.dtype | str = torch.float32, ssm_dtype: torch.dtype | str | None = None
+    llm_ref: str, ssm_refs: list[str], dtype: torch.dtype | str = torch.float32, ssm_dtype: torch.dtype | str | None = None,
+    device: str | torch.device = "cpu",
 ) -> tuple[LoadedModel, list[LoadedModel]]:
-    """The LLM and its SSMs (:func:`load_ssms`)."""
-    llm = load_model(llm_ref, dtype=dtype)
+    """The LLM on ``device`` and its SSMs beside it (:func:`load_ssms`)."""
+    llm = load_model(llm_ref, dtype=dtype, device=device)
     return llm, load_ssms(llm, ssm_refs, ssm_dtype or dtype)
 
 

@@ -56,6 +56,7 @@ def build_report(run, cfg, scheduler, fixed, replayed, real, choices, train_rec,
             "ref": scheduler.meta.get("llm"),
             "dtype": scheduler.meta.get("dtype"),
             "ssm_dtype": scheduler.meta.get("ssm_dtype"),
+            "device": scheduler.meta.get("device"),  # where the costs were timed
             "draft_vocab": scheduler.draft_vocab,
         },
         "ssms": scheduler.meta.get("ssms"),

@@ -107,13 +107,16 @@ class RunModels:
     """The trained SSMs, in stage order."""
     llm: Callable[[torch.dtype], LoadedModel] | None = None
     """The LLM in a dtype, from a process that holds it (None: loaded from ``llm_ref``)."""
+    device: str = "cpu"
+    """Where ``llm_ref`` loads, with the drafters beside it, so the costs are timed on that device (a
+    handed-over ``llm``: its own device)."""
 
     @classmethod
-    def of_run(cls, run: RunDir) -> RunModels:
-        """A finished run's, from its report.json."""
+    def of_run(cls, run: RunDir, device: str = "cpu") -> RunModels:
+        """A finished run's, from its report.json, to be loaded on ``device``."""
         report = run.read_report()
         return cls(llm_ref=report["llm"]["ref"], llm_dtype=report["llm"].get("dtype") or "fp32",
-                   tree=report.get("tree"), ssm_dirs=run.ssm_dirs())
+                   tree=report.get("tree"), ssm_dirs=run.ssm_dirs(), device=device)
 
 
 def _drafter_dirs(run: RunDir, cfg: SchedulerConfig, models: RunModels) -> list[Path]:
@@ -148,8 +151,12 @@ COSTS_FILE = "scheduler_costs.json"
 
 
 def _costs_key(run: RunDir, cfg: SchedulerConfig, models: RunModels) -> dict:
-    """What a cost table was measured for: the scheduler's settings and the threads timing ran with."""
-    return {**scheduler_settings(run, cfg, models), "threads": torch.get_num_threads()}
+    """What a cost table was measured for: the scheduler's settings, the threads timing ran with and,
+    off the CPU, the device (left out on the CPU so that tables measured before it was recorded still match)."""
+    key = {**scheduler_settings(run, cfg, models), "threads": torch.get_num_threads()}
+    if models.llm is None and models.device != "cpu":
+        key["device"] = models.device
+    return key
 
 
 def saved_costs(run: RunDir, key: dict) -> CostModel | None:
@@ -195,7 +202,7 @@ def _setup(run: RunDir, cfg: SchedulerConfig, models: RunModels) -> _Setup:
     dtype = cfg.dtype or models.llm_dtype
     ssm_dtype = cfg.ssm_dtype or dtype
     if models.llm is None:
-        llm, ssms = load_llm_and_ssms(models.llm_ref, [str(p) for p in ssm_paths], dtype, ssm_dtype)
+        llm, ssms = load_llm_and_ssms(models.llm_ref, [str(p) for p in ssm_paths], dtype, ssm_dtype, models.device)
     else:
         llm = models.llm(parse_dtype(dtype))
         ssms = load_ssms(llm, ssm_paths, ssm_dtype)
@@ -229,7 +236,7 @@ def _setup(run: RunDir, cfg: SchedulerConfig, models: RunModels) -> _Setup:
         names=names,
         spec=FeatureSpec(hidden_size=hidden, ngram_buckets=cfg.ngram_buckets, lookup=cfg.prompt_lookup),
         widths=widths,
-        meta={"llm": models.llm_ref, "dtype": dtype, "ssm_dtype": ssm_dtype, "ssms": names,
+        meta={"llm": models.llm_ref, "dtype": dtype, "ssm_dtype": ssm_dtype, "device": str(llm.model.device), "ssms": names,
               "draft_vocab": cfg.draft_vocab, "prompt_lookup": cfg.prompt_lookup},
         train_req=train_req,
         eval_req=eval_req,
