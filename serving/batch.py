@@ -18,8 +18,9 @@ Each request verifies its own tree against its own rows of the shared forward wi
 generator, so its output is what it would be alone: in fp32 token-identical for greedy decoding
 (``tests/test_batch.py``), and from the same distribution when sampled.
 
-Drafting stays per request (each drafter walks its own cache). What a step verifies is capped by
-``max_tokens``: requests draft in turn, starting one further each step; once a full tree no longer
+Drafting stays per request (each drafter walks its own cache), so it pays only in small batches:
+above ``draft_max_batch`` requests every step is a plain one (``DRAFT_MAX_BATCH``). What a step
+verifies is also capped by ``max_tokens``: requests draft in turn, starting one further each step; once a full tree no longer
 fits, a greedy request's tree is cut to its first nodes (nodes are in topological order, so any
 prefix of them is a tree, and greedy verification accepts from any tree); a sampled request's tree
 stays whole (the cap is soft there: cutting would be exact too, but its draws would then differ from
@@ -40,6 +41,14 @@ from boosttune.serving.engine import Planner, SpeculativeEngine, Stream, TokenCa
 from boosttune.serving.lean import Feed, LeanRunner, run_many
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
+
+DRAFT_MAX_BATCH = 2
+"""Requests draft only while the batch holds at most this many. Drafting stays per request, so its cost
+grows with the batch while a plain step's barely does: measured on an AVX512-bf16 EPYC (2 cores, bf16,
+MT-bench first turns, 64 tokens, the demo bundle's feature head and prompt lookup), speculation gave
+72 against 67 tok/s for 2 requests, but 83 against 96 for 3, 93 against 117 for 4 and 121 against 186
+for 16 (``scripts/bench_server.py`` has the served figures). vLLM turns speculation off above a batch
+size in the same way (its ``speculative_disable_by_batch_size``)."""
 
 
 def batch_reason(engine: SpeculativeEngine) -> str | None:
@@ -69,9 +78,11 @@ class Member:
 class BatchedDecoder:
     """Decodes up to ``max_batch`` requests at once over one engine's LLM and drafters."""
 
-    def __init__(self, engine: SpeculativeEngine, max_batch: int = 16, max_tokens: int = 64):
+    def __init__(self, engine: SpeculativeEngine, max_batch: int = 16, max_tokens: int = 64,
+                 draft_max_batch: int = DRAFT_MAX_BATCH):
         """``max_batch``: requests decoding at once; ``max_tokens``: tokens one step may verify in all
-        (each request's pending token counts, so at least ``max_batch``)."""
+        (each request's pending token counts, so at least ``max_batch``); ``draft_max_batch``: requests
+        draft only while the batch holds at most this many (0: never)."""
         why = batch_reason(engine)
         if why is not None:
             raise ValueError(f"this engine cannot batch requests: {why}")
@@ -80,7 +91,10 @@ class BatchedDecoder:
         if max_tokens < max_batch:
             raise ValueError(f"max_tokens ({max_tokens}) must be at least max_batch ({max_batch}): every request "
                              "feeds its pending token each step")
+        if draft_max_batch < 0:
+            raise ValueError(f"draft_max_batch must be >= 0, got {draft_max_batch}")
         self.engine, self.max_batch, self.max_tokens = engine, max_batch, max_tokens
+        self.draft_max_batch = draft_max_batch
         self.members: list[Member] = []
         self._pool: list[tuple[LeanRunner, dict[str, Drafter]]] = []
         self._turn = 0  # which member drafts first this step
@@ -133,7 +147,7 @@ class BatchedDecoder:
         n = len(self.members)
         order = [self.members[(self._turn + i) % n] for i in range(n)]
         self._turn = (self._turn + 1) % max(1, n)
-        budget = self.max_tokens - n  # tokens left for trees once every pending token is fed
+        budget = self.max_tokens - n if n <= self.draft_max_batch else 0  # tokens left for trees
         feeds: dict[int, tuple[LeanRunner, Feed]] = {}
         for m in order:
             try:

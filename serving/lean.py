@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from boosttune.kernels.tree_attention import tree_attention
+from boosttune.kernels.tree_attention import full_mask, tree_attention
 from boosttune.serving import cpu_linear
 from boosttune.serving.runner import ModelRunner
 
@@ -169,10 +169,12 @@ class LeanRunner(ModelRunner):
     def keep(self, start: int, offsets: Tensor) -> None:
         """Keep cache entries ``start + offsets`` (moved to ``start...``) and drop the rest."""
         k = offsets.shape[0]
-        if k:
-            idx = (offsets + start).to(self.device)
+        moved = (offsets != torch.arange(k)).nonzero()
+        if moved.numel():  # entries before the first moved one are in place already (a plain step: all)
+            j = int(moved[0, 0])
+            idx = (offsets[j:] + start).to(self.device)
             for cache in (*self._keys, *self._values):
-                cache[:, start : start + k] = cache.index_select(1, idx)
+                cache[:, start + j : start + k] = cache.index_select(1, idx)
         self._len = start + k
 
     def crop(self, length: int) -> None:
@@ -198,6 +200,33 @@ class Feed:
     hidden: bool = False
 
 
+@dataclass(frozen=True)
+class _Mask:
+    """One feed's attention mask, made once per forward rather than once per layer.
+
+    Attributes:
+        folded: the (rep T, S) bool mask of ``tree_attention_reference``'s head folding for the CPU
+            shortcut, None where every query sees every key (no mask at all).
+        raw: the feed's tree mask for ``tree_attention`` instead (no shortcut: not on the CPU, or
+            rows that see no key, which ``tree_attention`` handles).
+    """
+
+    folded: Tensor | None = None
+    raw: Tensor | None = None
+
+
+def _mask(prefix_len: int, tree_mask: Tensor, s: int, rep: int) -> _Mask:
+    """``_Mask`` of a feed; ``rep``: query heads per kv head (0: no CPU shortcut)."""
+    if not rep:
+        return _Mask(raw=tree_mask)
+    if bool(tree_mask.all()):
+        return _Mask()
+    mask = full_mask(prefix_len, tree_mask, s)  # (T, S)
+    if prefix_len == 0 and not bool(mask.any(dim=1).all()):
+        return _Mask(raw=tree_mask)
+    return _Mask(folded=mask.repeat(rep, 1))
+
+
 @torch.inference_mode()
 def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor, Tensor | None]]:
     """Feed several runners of one model (each its own request's cache) in one forward: the tokens of
@@ -213,6 +242,7 @@ def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor, Ten
     if len({id(r) for r, _ in feeds}) != len(feeds):
         raise ValueError("run_many feeds each runner once")
     dev, body = first.device, first._body
+    q_rep = first._q // first._g if dev.type == "cpu" else 0  # query heads per kv head; 0: no CPU shortcut
     embeds, positions, spans = [], [], []
     off = 0
     for runner, f in feeds:
@@ -223,7 +253,7 @@ def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor, Ten
         x = body.embed_tokens(f.inputs.to(dev)) if f.inputs.dim() == 2 else f.inputs.to(dev)  # (1, T, H)
         embeds.append(x.to(body.embed_tokens.weight.dtype))
         positions.append(f.position_ids.to(dev))
-        spans.append((off, off + t, runner._len, s, f.tree_mask.to(dev)))
+        spans.append((off, off + t, runner._len, s, _mask(f.prefix_len, f.tree_mask.to(dev), s, q_rep)))
         off += t
     x = torch.cat(embeds, dim=1) if len(embeds) > 1 else embeds[0]  # (1, sum T, H)
     cos, sin = body.rotary_emb(x, torch.cat(positions, dim=1) if len(positions) > 1 else positions[0])
@@ -242,8 +272,14 @@ def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor, Ten
             keys, values = runner._keys[i], runner._values[i]
             keys[:, s0:s] = k[0, :, a:b]
             values[:, s0:s] = v[0, :, a:b]
-            outs.append(tree_attention(q[:, :, a:b], keys[None, :, :s], values[None, :, :s], f.prefix_len, mask,
-                                       first._scale))  # (1, Q, T, C)
+            if mask.raw is None:  # tree_attention_reference's computation, its mask made once per forward
+                qg = q[:, :, a:b].reshape(1, g_n, q_rep * (b - a), c)  # (1, G, rep T, C)
+                att = F.scaled_dot_product_attention(qg, keys[None, :, :s], values[None, :, :s],
+                                                     attn_mask=mask.folded, scale=first._scale)
+                outs.append(att.reshape(1, q_n, b - a, c))
+            else:
+                outs.append(tree_attention(q[:, :, a:b], keys[None, :, :s], values[None, :, :s], f.prefix_len,
+                                           mask.raw, first._scale))  # (1, Q, T, C)
         att = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (1, Q, sum T, C)
         x = x + layer.self_attn.o_proj(att.transpose(1, 2).reshape(1, n, q_n * c))
         h = layer.post_attention_layernorm(x)

@@ -84,7 +84,7 @@ def test_run_many_computes_what_each_runner_computes_alone(models):
 def test_greedy_requests_joining_mid_stream_decode_as_alone(models, max_tokens):
     engine = _engine(models)
     want = {i: _alone(engine, i) for i in range(len(PROMPTS))}
-    batch = BatchedDecoder(engine, max_batch=5, max_tokens=max_tokens)
+    batch = BatchedDecoder(engine, max_batch=5, max_tokens=max_tokens, draft_max_batch=5)
     got = _run_batch(batch, {0: [0, 1, 2], 2: [3], 5: [4]})
     assert got == want
 
@@ -93,15 +93,33 @@ def test_sampled_requests_decode_as_alone_with_their_seeds(models):
     engine = _engine(models)
     params = {i: SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i) for i in range(len(PROMPTS))}
     want = {i: _alone(engine, i, params[i]) for i in range(len(PROMPTS))}
-    batch = BatchedDecoder(engine, max_batch=5, max_tokens=256)  # room for every tree: no step without drafting
+    batch = BatchedDecoder(engine, max_batch=5, max_tokens=256, draft_max_batch=5)  # every step drafts
     got = _run_batch(batch, {0: [0, 1], 1: [2, 3, 4]}, sampling=params.get)
     assert got == want
+
+
+def test_larger_batches_take_plain_steps_and_still_decode_as_alone(models):
+    engine = _engine(models)
+    want = {i: _alone(engine, i) for i in range(len(PROMPTS))}
+    batch = BatchedDecoder(engine, max_batch=5, max_tokens=64, draft_max_batch=2)
+    nodes = []
+    original = batch._draft
+
+    def counting(stream, budget):
+        feed = original(stream, budget)
+        nodes.append((len(batch), feed.inputs.shape[1] - 1))
+        return feed
+
+    batch._draft = counting
+    assert _run_batch(batch, {0: [0, 1, 2], 4: [3, 4]}) == want
+    assert all(n == 0 for size, n in nodes if size > 2), "no tree above draft_max_batch requests"
+    assert any(n > 0 for size, n in nodes if size <= 2), "trees again once the batch shrinks"
 
 
 def test_a_removed_request_frees_its_caches_for_the_next(models):
     engine = _engine(models, kinds=("feature",), lookup=0)
     want = {i: _alone(engine, i) for i in range(len(PROMPTS))}
-    batch = BatchedDecoder(engine, max_batch=2, max_tokens=16)
+    batch = BatchedDecoder(engine, max_batch=2, max_tokens=16, draft_max_batch=2)
     a = batch.add(PROMPTS[2], StopCriteria(max_new_tokens=LENGTHS[2]), tag=2)
     b = batch.add(PROMPTS[0], StopCriteria(max_new_tokens=LENGTHS[0]), tag=0)
     assert batch.full

@@ -216,7 +216,7 @@ def test_disconnecting_clients_free_the_engine_at_once(client, server):
 @pytest.fixture(scope="module")
 def batched_server(loaded):
     # 8 tokens per step for 4 requests: trees are cut, and some steps go undrafted
-    config = ServerConfig(model_name=MODEL, torch_threads=1, max_batch=4, max_batch_tokens=8)
+    config = ServerConfig(model_name=MODEL, torch_threads=1, max_batch=4, max_batch_tokens=8, draft_max_batch=4)
     with ServerThread(create_app(loaded, config)) as url:
         yield url
 
@@ -250,6 +250,20 @@ def test_batched_server_drops_a_disconnected_client_and_keeps_decoding_the_other
         assert other.result()[0] == want
     assert _metric(batched_server, "boosttune_cancelled_requests_total") == cancelled + 1
     _wait_idle(batched_server)
+
+
+def test_serve_flags_name_the_batching_defaults():
+    from boosttune.cli import _build
+    from boosttune.serving.batch import DRAFT_MAX_BATCH
+
+    parser = _build()[0]
+    args = parser.parse_args(["serve", "b"])
+    assert (args.max_batch, args.max_batch_tokens, args.draft_max_batch) == (16, 64, None)
+    sub = next(a for a in parser._actions if a.dest == "command").choices["serve"]
+    help_text = next(a.help for a in sub._actions if a.dest == "draft_max_batch")
+    assert f"default {DRAFT_MAX_BATCH};" in help_text
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        ServerConfig(max_batch=8, max_batch_tokens=4)
 
 
 def _wait_idle(server: str, seconds: float = 10) -> None:
@@ -402,10 +416,11 @@ def check_startup_block(output: str, port: int) -> None:
     url = f"http://127.0.0.1:{port}/v1"
     lines = output.splitlines()
     start = lines.index(f"boosttune serve: listening on {url}")
-    block = dict(line.strip().split(":", 1) for line in lines[start + 1:start + 5])
+    block = dict(line.strip().split(":", 1) for line in lines[start + 1:start + 6])
     assert block["model"].split() == [MODEL, "(the", '"model"', "clients", "send)"]
     assert block["drafters"].strip() == "ssm-1 (ssm), ssm-2 (ssm)"
     assert block["scheduler"].strip().startswith("none")
+    assert block["batching"].strip().startswith("up to 16 requests at once")  # serve's default
     curl = shlex.split(block["try"])
     assert curl[:2] == ["curl", f"{url}/chat/completions"] and curl[-2] == "-d"
     answer = httpx.post(curl[1], content=curl[-1], headers={"Content-Type": "application/json"}, timeout=60)

@@ -86,6 +86,9 @@ def add_commands(sub) -> dict:
     s.add_argument("--max-batch-tokens", type=_count, default=64, metavar="N",
                    help="tokens one batched step may verify in all; trees are cut to fit (default 64, at least "
                         "--max-batch)")
+    s.add_argument("--draft-max-batch", type=int, default=None, metavar="N",
+                   help="requests draft token trees only while at most N decode at once; larger batches take "
+                        "plain steps, which cost less per token there (default 2; 0: never draft)")
     s.add_argument("--no-scheduler", action="store_true",
                    help="ignore the bundle's learned scheduler: every request drafts with all SSMs "
                         "(and prompt lookup if the bundle was exported with --prompt-lookup)")
@@ -104,7 +107,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(model_name=args.model_name, max_queue=args.max_queue,
                           max_request_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens,
                           torch_threads=args.threads, use_scheduler=not args.no_scheduler, timeouts=timeouts,
-                          max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens)
+                          max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
+                          **({} if args.draft_max_batch is None else {"draft_max_batch": args.draft_max_batch}))
     bundle = load_bundle(args.bundle, llm=args.llm, dtype=args.dtype, ssm_dtype=args.ssm_dtype, device=args.device)
     run_server(bundle, config, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -26,10 +26,11 @@ def curl_example(url: str, model: str) -> str:
 
 
 def startup_banner(host: str, port: int, model: str, drafters: Sequence[tuple[str, str]], prompt_lookup: int,
-                   scheduler: str | None) -> list[str]:
+                   scheduler: str | None, batching: str = "one request at a time") -> list[str]:
     """The lines, for a server on ``host``:``port`` serving ``model`` with ``drafters`` ((name, kind) pairs, as
-    the bundle's manifest lists them), prompt lookup of chains up to ``prompt_lookup`` (0: none) and the
-    learned ``scheduler`` (a description; None: every request drafts with all drafters)."""
+    the bundle's manifest lists them), prompt lookup of chains up to ``prompt_lookup`` (0: none), the
+    learned ``scheduler`` (a description; None: every request drafts with all drafters) and how many
+    requests it decodes at once (``batching``, a description)."""
     url = base_url(host, port)
     listed = ", ".join(f"{name} ({kind})" for name, kind in drafters) or "none (plain decoding)"
     if prompt_lookup:
@@ -40,5 +41,6 @@ def startup_banner(host: str, port: int, model: str, drafters: Sequence[tuple[st
         f"  model:     {model}   (the \"model\" clients send)",
         f"  drafters:  {listed}",
         f"  scheduler: {scheduler or 'none: every request drafts with all drafters'}",
+        f"  batching:  {batching}",
         f"  try:       {curl_example(url, model)}",
     ]

@@ -78,6 +78,7 @@ from boosttune.http.worker import (
     QueueFullError,
     TokensEvent,
 )
+from boosttune.serving.batch import DRAFT_MAX_BATCH
 from boosttune.serving.bundle import LoadedBundle
 from boosttune.serving.engine import GenerationResult
 from boosttune.serving.stops import StopCriteria
@@ -112,6 +113,8 @@ class ServerConfig:
             (``serving/batch.py``); 1 serves one request at a time.
         max_batch_tokens: tokens one batched step may verify in all (every request's pending token
             included); trees beyond it are cut, or left undrafted for that step.
+        draft_max_batch: requests draft their trees only while at most this many decode at once
+            (0: never); larger batches take plain steps (``serving/batch.py``, ``DRAFT_MAX_BATCH``).
     """
 
     model_name: str | None = None
@@ -124,6 +127,7 @@ class ServerConfig:
     timeouts: ConnectionTimeouts = field(default_factory=ConnectionTimeouts)
     max_batch: int = 1
     max_batch_tokens: int = 64
+    draft_max_batch: int = DRAFT_MAX_BATCH
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < self.max_batch:
@@ -132,6 +136,8 @@ class ServerConfig:
         for name in ("max_queue", "max_request_bytes", "default_max_tokens", "max_batch", "max_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"server {name} must be >= 1, got {getattr(self, name)}")
+        if self.draft_max_batch < 0:
+            raise ValueError(f"server draft_max_batch must be >= 0, got {self.draft_max_batch}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"server torch_threads must be >= 1 (or None), got {self.torch_threads}")
         if self.model_name is not None and not self.model_name.strip():
@@ -179,7 +185,7 @@ class _State:
         self.drafter_names = list(self.served.engine.drafters)
         self.worker = EngineWorker(self.served, config.max_queue, on_finished=self._on_finished,
                                    threads=config.torch_threads, max_batch=config.max_batch,
-                                   max_batch_tokens=config.max_batch_tokens)
+                                   max_batch_tokens=config.max_batch_tokens, draft_max_batch=config.draft_max_batch)
         self.metrics = ServerMetrics(queue_depth=lambda: self.worker.queue_depth)
         self.shutting_down = False  # event-loop thread only, as is ``open``
         self.open: set[_Submission] = set()
@@ -607,8 +613,8 @@ class _AnnouncingServer(uvicorn.Server):
         await super().startup(sockets=sockets)  # exits the process when the port cannot be bound
         listening = [s for server in getattr(self, "servers", []) for s in server.sockets or []]
         port = listening[0].getsockname()[1] if listening else self.config.port  # the real one for --port 0
-        print("\n".join(startup_banner(self.config.host, port, self.state.model_name, *_drafting(self.state))),
-              flush=True)
+        print("\n".join(startup_banner(self.config.host, port, self.state.model_name, *_drafting(self.state),
+                                        _batching(self.state))), flush=True)
 
 
 def _drafting(state: _State) -> tuple[list[tuple[str, str]], int, str | None]:
@@ -622,6 +628,15 @@ def _drafting(state: _State) -> tuple[list[tuple[str, str]], int, str | None]:
     else:
         scheduler = None
     return drafters, state.lookup, scheduler
+
+
+def _batching(state: _State) -> str:
+    """How many requests the worker decodes at once, and while how many of them draft."""
+    batch = state.worker.batch
+    if batch is None:
+        return "one request at a time"
+    return (f"up to {batch.max_batch} requests at once, {batch.max_tokens} tokens per step; trees drafted while "
+            f"at most {batch.draft_max_batch} decode")
 
 
 def run_server(bundle: LoadedBundle, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,

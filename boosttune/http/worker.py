@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from boosttune.assemble import Served
-from boosttune.serving.batch import BatchedDecoder, Member, batch_reason
+from boosttune.serving.batch import DRAFT_MAX_BATCH, BatchedDecoder, Member, batch_reason
 from boosttune.serving.engine import GenerationResult
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
@@ -98,19 +98,20 @@ class EngineWorker:
 
     def __init__(self, served: Served, max_queue: int = 64,
                  on_finished: Callable[[Job, Event], None] | None = None, threads: int | None = None,
-                 max_batch: int = 1, max_batch_tokens: int = 64):
+                 max_batch: int = 1, max_batch_tokens: int = 64, draft_max_batch: int = DRAFT_MAX_BATCH):
         """``served``: the assembled engine (``boosttune/assemble.py``; its scheduler, if any, plans
         every request); ``on_finished(job, final_event)`` runs on the worker thread after each job
         (metrics); ``threads``: torch intra-op threads of the worker (None: torch's default);
         ``max_batch``: jobs decoded at once (1: one at a time); ``max_batch_tokens``: tokens one
-        batched step may verify in all (``BatchedDecoder``)."""
+        batched step may verify in all; ``draft_max_batch``: requests draft only while at most this
+        many decode at once (``BatchedDecoder``)."""
         self.served = served
         self.threads = threads
         self.batch: BatchedDecoder | None = None
         if max_batch > 1:
             why = batch_reason(served.engine)
             if why is None:
-                self.batch = BatchedDecoder(served.engine, max_batch, max(max_batch_tokens, max_batch))
+                self.batch = BatchedDecoder(served.engine, max_batch, max(max_batch_tokens, max_batch), draft_max_batch)
             else:
                 log.warning("serving one request at a time: this engine cannot batch requests (%s)", why)
         self._active: dict[int, tuple[Job, float]] = {}  # batched jobs by id(Member): the job, its queue time
