@@ -2,11 +2,15 @@
 
 Starts ``boosttune serve BUNDLE`` in a subprocess on a free local port (or uses ``--url``), then for
 each concurrency level C sends ``--requests`` requests from C client threads with the official
-openai client and reports requests/s, completion tokens/s, p50/p95 latency, mean queue wait and the
-τ (tokens per LLM forward) that the server reported in each response's ``boosttune`` statistics.
+openai client and reports requests/s, completion tokens/s, p50/p95/p99 latency, mean queue wait and
+the τ (tokens per LLM forward) that the server reported in each response's ``boosttune`` statistics.
 
-    .venv/bin/python scripts/bench_server.py BUNDLE --concurrency 1,4,16 --requests 32 --max-tokens 64 \\
-        --out runs/bench-server.json
+``--servers one,batched`` runs the same levels against a server that decodes one request at a time
+(``--max-batch 1``) and one that batches (``--max-batch``), one after the other in one run, and for
+greedy decoding says whether every batched answer equals the one-at-a-time answer to the same request.
+
+    .venv/bin/python scripts/bench_server.py BUNDLE --servers one,batched --concurrency 1,4,16,32 \\
+        --requests 64 --max-tokens 64 --dtype bf16 --out runs/bench-server.json
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from openai import OpenAI
 
 ROOT = Path(__file__).resolve().parents[1]
 MT_BENCH = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
+MODES = ("default", "one", "batched")
 FALLBACK_PROMPTS = ["Write a haiku about the sea.", "Explain why the sky is blue.", "Give three tips for sleeping well.",
                     "What is a prime number?", "Summarise the plot of Hamlet in two sentences."]
 
@@ -47,6 +52,9 @@ class LevelResult:
     queue_mean_s: float
     tau: float
     completion_tokens: int
+    latency_p99_s: float = float("nan")
+    server: str = "default"
+    identical_to_one_at_a_time: int | None = None
 
 
 def _free_port() -> int:
@@ -76,10 +84,12 @@ def _prompts(path: str | None) -> list[str]:
     return FALLBACK_PROMPTS
 
 
-def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def _start_server(args: argparse.Namespace, max_batch: int | None) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "boosttune.cli", "serve", args.bundle, "--port", str(port), "--dtype", args.dtype,
            "--log-level", "warning", "--max-queue", str(max(64, max(args.concurrency) * 2))]
+    if max_batch is not None:
+        cmd += ["--max-batch", str(max_batch)]
     if args.llm:
         cmd += ["--llm", args.llm]
     if args.threads:
@@ -109,12 +119,15 @@ def _one(client: OpenAI, model: str, prompt: str, args: argparse.Namespace) -> d
         r = client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens,
                                       temperature=args.temperature)
     stats = r.model_extra.get("boosttune", {})
+    text = r.choices[0].message.content if args.chat else r.choices[0].text
     return {"latency": time.perf_counter() - start, "tokens": r.usage.completion_tokens,
-            "steps": stats.get("steps", 0), "queue": stats.get("queue_seconds", 0.0)}
+            "steps": stats.get("steps", 0), "queue": stats.get("queue_seconds", 0.0), "text": text}
 
 
-def run_level(client: OpenAI, model: str, prompts: list[str], concurrency: int, args: argparse.Namespace) -> LevelResult:
-    """Send ``args.requests`` requests from ``concurrency`` threads; prompts are taken in turn."""
+def run_level(client: OpenAI, model: str, prompts: list[str], concurrency: int, args: argparse.Namespace,
+              texts: list[str] | None = None) -> LevelResult:
+    """Send ``args.requests`` requests from ``concurrency`` threads; prompts are taken in turn. ``texts``,
+    if given, receives each request's answer in request order."""
     chosen = [prompts[i % len(prompts)] for i in range(args.requests)]
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -123,20 +136,25 @@ def run_level(client: OpenAI, model: str, prompts: list[str], concurrency: int, 
     latencies = [r["latency"] for r in rows]
     tokens = sum(r["tokens"] for r in rows)
     steps = sum(r["steps"] for r in rows)
+    if texts is not None:
+        texts.extend(r["text"] for r in rows)
     return LevelResult(
         concurrency=concurrency, requests=len(rows), wall_s=wall, requests_per_s=len(rows) / wall,
         completion_tokens_per_s=tokens / wall, latency_p50_s=_percentile(latencies, 0.5),
-        latency_p95_s=_percentile(latencies, 0.95), latency_mean_s=statistics.fmean(latencies),
+        latency_p95_s=_percentile(latencies, 0.95), latency_p99_s=_percentile(latencies, 0.99), latency_mean_s=statistics.fmean(latencies),
         queue_mean_s=statistics.fmean(r["queue"] for r in rows), tau=tokens / steps if steps else float("nan"),
         completion_tokens=tokens,
     )
 
 
 def format_table(results: list[LevelResult]) -> str:
-    head = ("clients", "requests", "req/s", "tok/s", "p50 s", "p95 s", "queue s", "tau")
+    head = ("server", "clients", "requests", "req/s", "tok/s", "p50 s", "p95 s", "p99 s", "queue s", "tau",
+            "same answers")
     rows = [head] + [
-        (str(r.concurrency), str(r.requests), f"{r.requests_per_s:.2f}", f"{r.completion_tokens_per_s:.1f}",
-         f"{r.latency_p50_s:.2f}", f"{r.latency_p95_s:.2f}", f"{r.queue_mean_s:.2f}", f"{r.tau:.2f}")
+        (r.server, str(r.concurrency), str(r.requests), f"{r.requests_per_s:.2f}", f"{r.completion_tokens_per_s:.1f}",
+         f"{r.latency_p50_s:.2f}", f"{r.latency_p95_s:.2f}", f"{r.latency_p99_s:.2f}", f"{r.queue_mean_s:.2f}",
+         f"{r.tau:.2f}",
+         "-" if r.identical_to_one_at_a_time is None else f"{r.identical_to_one_at_a_time}/{r.requests}")
         for r in results
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
@@ -159,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-chat", dest="chat", action="store_false", help="use /v1/completions instead of chat")
     p.add_argument("--prompts", default=None, help="JSONL/text prompt file (default: MT-bench first turns)")
     p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--servers", default="default",
+                   help="comma-separated server modes, run one after the other: default (serve's own batching), "
+                        "one (--max-batch 1), batched (--max-batch N)")
+    p.add_argument("--max-batch", type=int, default=16, help="serve --max-batch of the 'batched' mode")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -166,24 +188,42 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give a BUNDLE or --url")
     if args.requests < 1 or min(args.concurrency) < 1:
         p.error("--requests and every --concurrency value must be >= 1")
+    args.servers = [m.strip() for m in args.servers.split(",") if m.strip()]
+    if not set(args.servers) <= set(MODES) or not args.servers:
+        p.error(f"--servers takes {', '.join(MODES)}")
+    if args.url and len(args.servers) > 1:
+        p.error("--url measures the one server it names: give one --servers mode")
     prompts = _prompts(args.prompts)
 
-    proc, url = (None, args.url.rstrip("/")) if args.url else _start_server(args)
-    try:
-        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=3600)
-        model = client.models.list().data[0].id
-        _one(client, model, prompts[0], args)  # warm-up
-        results = []
-        for c in args.concurrency:
-            results.append(run_level(client, model, prompts, c, args))
-            print(f"concurrency {c}: {results[-1].requests_per_s:.2f} req/s", file=sys.stderr, flush=True)
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
+    results: list[LevelResult] = []
+    answers: dict[str, dict[int, list[str]]] = {}
+    model = None
+    for mode in args.servers:
+        max_batch = {"default": None, "one": 1, "batched": args.max_batch}[mode]
+        proc, url = (None, args.url.rstrip("/")) if args.url else _start_server(args, max_batch)
+        answers[mode] = {}
+        try:
+            client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=3600)
+            model = client.models.list().data[0].id
+            _one(client, model, prompts[0], args)  # warm-up
+            for c in args.concurrency:
+                level = run_level(client, model, prompts, c, args, answers[mode].setdefault(c, []))
+                level.server = mode
+                results.append(level)
+                print(f"{mode} server, concurrency {c}: {level.requests_per_s:.2f} req/s, "
+                      f"{level.completion_tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(30)
+    if "one" in answers and args.temperature == 0:
+        for r in results:
+            if r.server != "one":
+                same = zip(answers[r.server][r.concurrency], answers["one"][r.concurrency], strict=True)
+                r.identical_to_one_at_a_time = sum(a == b for a, b in same)
     print(format_table(results))
-    summary = {"url": url, "bundle": args.bundle, "model": model, "dtype": args.dtype, "threads": args.threads,
-               "chat": args.chat,
+    summary = {"url": args.url, "bundle": args.bundle, "model": model, "dtype": args.dtype, "threads": args.threads,
+               "chat": args.chat, "servers": args.servers, "max_batch": args.max_batch,
                "max_tokens": args.max_tokens, "temperature": args.temperature, "levels": [asdict(r) for r in results]}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

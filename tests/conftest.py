@@ -23,6 +23,21 @@ SHARED_DATA = Path(os.environ.get("BOOSTTUNE_SHARED", Path(__file__).resolve().p
 MT_BENCH = SHARED_DATA / "mt_bench" / "question.jsonl"
 
 
+def load_script(name: str):
+    """scripts/NAME.py (not a package), loaded from its file; registered in ``sys.modules`` under
+    ``NAME_script``, where its dataclasses look their module up."""
+    import importlib.util
+    import sys
+
+    key = f"{name}_script"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
 def tiny_llama(seed: int, vocab: int = 64, layers: int = 2, hidden: int = 32, init: float = 0.4) -> LlamaForCausalLM:
     """A random llama whose logits are far from ties (large init), fp32, eval mode."""
     torch.manual_seed(seed)

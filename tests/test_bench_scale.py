@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_scale.py"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def bench_scale():
     """scripts/bench_scale.py (not a package), loaded from its file."""
-    spec = importlib.util.spec_from_file_location("bench_scale", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_scale"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["bench_scale"]
+    return load_script("bench_scale")
 
 
 def test_tiny_run_writes_every_figure_and_prints_the_tables(bench_scale, tmp_path, capsys):

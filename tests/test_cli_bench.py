@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import MT_BENCH, perturbed, tiny_llama
+from conftest import MT_BENCH, load_script, perturbed, tiny_llama
 from transformers import AutoTokenizer
 
 from boosttune.cli import main
@@ -176,20 +176,8 @@ def test_llama_cpp_flags_fail_before_any_model_loads(tiny_dirs, tmp_path, capsys
     assert "unknown" in refused("--methods", "baseline,llama_cpp")
 
 
-def _script(name: str):
-    """A module of scripts/ (not a package), loaded from its file."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _bench_trees():
-    return _script("bench_trees")
+    return load_script("bench_trees")
 
 
 def test_bench_trees_script_prints_every_shape_identical_to_plain(tiny_dirs, capsys):
@@ -235,7 +223,7 @@ def test_head_acceptance_predicts_the_tau_the_engine_measures(tmp_path, capsys):
     save_head(head.eval(), tmp_path / "head")
     llm.tokenizer.save_pretrained(tmp_path / "head")
     common = ["--llm", str(tiny_model_dir()), "--questions", str(MT_BENCH), "--limit", "3", "--max-new-tokens", "24"]
-    assert _script("head_acceptance").main([str(tmp_path / "head"), *common, "--top", "3", "--second", "1"]) == 0
+    assert load_script("head_acceptance").main([str(tmp_path / "head"), *common, "--top", "3", "--second", "1"]) == 0
     row = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {tmp_path / 'head'} ")]
     predicted = {"w3": float(row[0].split("|")[5]), "w31": float(row[0].split("|")[7])}
     assert _bench_trees().main(["--ssm", str(tmp_path / "head"), *common, "w3=3", "w31=3,1"]) == 0
@@ -252,7 +240,7 @@ def test_head_acceptance_predicts_the_tau_the_engine_measures(tmp_path, capsys):
 def test_head_acceptance_predicts_a_standalone_ssms_tau_too(tiny_dirs, capsys):
     """For an SSM (no feature head) the script's τ, one level of 3 and 3,1, is the engine's (fp32)."""
     common = ["--llm", str(tiny_dirs / "llm"), "--questions", str(MT_BENCH), "--limit", "3", "--max-new-tokens", "16"]
-    assert _script("head_acceptance").main([str(tiny_dirs / "ssm"), *common, "--top", "3", "--second", "1"]) == 0
+    assert load_script("head_acceptance").main([str(tiny_dirs / "ssm"), *common, "--top", "3", "--second", "1"]) == 0
     row = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {tiny_dirs / 'ssm'} ")]
     predicted = {"w3": float(row[0].split("|")[5]), "w31": float(row[0].split("|")[7])}
     assert _bench_trees().main(["--ssm", str(tiny_dirs / "ssm"), *common, "w3=3", "w31=3,1"]) == 0
@@ -263,7 +251,7 @@ def test_head_acceptance_predicts_a_standalone_ssms_tau_too(tiny_dirs, capsys):
 
 
 def test_head_acceptance_walks_steps_of_one_or_two_tokens():
-    walked = _script("head_acceptance").walked_steps
+    walked = load_script("head_acceptance").walked_steps
     assert walked([]) == 0
     assert walked([False, False, False]) == 3
     assert walked([True, True, True, True]) == 2  # each step commits its draft and the LLM's next token

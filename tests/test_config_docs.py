@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 from boosttune.config import TrainConfig
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "config_docs.py"
 
 
 @pytest.fixture(scope="module")
 def config_docs():
     """scripts/config_docs.py (not a package), loaded from its file."""
-    spec = importlib.util.spec_from_file_location("config_docs", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("config_docs")
 
 
 def test_docs_config_md_is_current(config_docs) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import load_script
 
 from boosttune.core.ranks import NOT_DRAFTABLE
 from boosttune.train.coverage import (
@@ -84,20 +85,8 @@ def test_coverage_by_category_groups_answers() -> None:
 
 
 # ------------------------------------------------------------------------------ scripts/coverage.py
-def _script(name: str):
-    """scripts/NAME.py (not a package), loaded from its file."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"{name}_script", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _coverage_script():
-    return _script("coverage")
+    return load_script("coverage")
 
 
 def test_coverage_script_on_a_run_and_its_bundle(tmp_path, capsys) -> None:
@@ -162,7 +151,7 @@ def test_ablation_variants_share_the_run_but_not_its_heads_or_scheduler(tmp_path
     and writes its own); its budget is per head, the longer single head's N times that."""
     import json
 
-    script = _script("ablate_heads")
+    script = load_script("ablate_heads")
     src = tmp_path / "run"
     for rel in ("config.yaml", "report.json", "teacher/shard-00000.arrow", "ssms/ssm-1/model.safetensors",
                 "ssms/feature/model.safetensors", "ssms/feature-2/model.safetensors", "scheduler/scheduler.json",

@@ -3,12 +3,10 @@ hand-written prompts, the seeded stratified split, and the files written from ..
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-from conftest import SHARED_DATA
+from conftest import SHARED_DATA, load_script
 
 from boosttune.core.prompts import Prompt, read_prompts
 from boosttune.workload import (
@@ -24,20 +22,11 @@ from boosttune.workload import (
     split_stratified,
 )
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "mixed_workload.py"
 SHAREGPT = SHARED_DATA / "sharegpt_sample" / "sharegpt_v3_first_human_turns.jsonl"
 OWT = SHARED_DATA / "openwebtext_sample" / "openwebtext_sample.txt"
 C4 = SHARED_DATA / "c4_realnewslike_sample" / "c4_ref.json"
 needs_data = pytest.mark.skipif(not all(p.is_file() for p in (SHAREGPT, OWT, C4)),
                                 reason="needs the ShareGPT, OpenWebText and C4 samples in ../shared/data")
-
-
-def _script():
-    """scripts/mixed_workload.py (not a package), loaded from its file."""
-    spec = importlib.util.spec_from_file_location("mixed_workload", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize(("text", "kind"), [
@@ -115,7 +104,7 @@ def test_split_is_seeded_stratified_and_disjoint():
 @needs_data
 def test_script_writes_every_category_and_the_files_read_back(tmp_path, capsys):
     written = tmp_path / "mixed"
-    assert _script().main(["--out", str(written), "--sharegpt", str(SHAREGPT), "--openwebtext", str(OWT),
+    assert load_script("mixed_workload").main(["--out", str(written), "--sharegpt", str(SHAREGPT), "--openwebtext", str(OWT),
                            "--c4", str(C4)]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == ["category", "train", "held-out", "mean", "chars"]
@@ -144,7 +133,7 @@ def test_script_says_which_categories_are_short(tmp_path, capsys):
     (tmp_path / "owt.txt").write_text("one two three four five six\n\ntoo short\n\nseven eight nine ten eleven twelve\n")
     (tmp_path / "c4.json").write_text(json.dumps([{"input": "a b c", "output": "d e f g"}]))
     out = tmp_path / "out"
-    assert _script().main(["--out", str(out), "--sharegpt", str(tmp_path / "chat.jsonl"), "--sharegpt-skip", "0",
+    assert load_script("mixed_workload").main(["--out", str(out), "--sharegpt", str(tmp_path / "chat.jsonl"), "--sharegpt-skip", "0",
                            "--openwebtext", str(tmp_path / "owt.txt"), "--c4", str(tmp_path / "c4.json"),
                            "--min-chars", "5", "--continuation-words", "5", "--per-category-train", "2",
                            "--per-category-heldout", "2"]) == 0
@@ -165,6 +154,6 @@ def test_script_says_which_categories_are_short(tmp_path, capsys):
 ])
 def test_script_refuses_a_bad_flag_naming_it(flags, named, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        _script().main(["--out", str(tmp_path / "out"), *flags])
+        load_script("mixed_workload").main(["--out", str(tmp_path / "out"), *flags])
     assert e.value.code == 2 and named in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # refused before any work
