@@ -302,6 +302,12 @@ class _Submission:
         self.job = Job(req.prompt_ids, stop, req.sampling, self._deliver, chat=req.kind == "chat")
         self._getter: asyncio.Future | None = None
         self.first_token_seen = False
+        # A non-streamed answer reads only its first tokens (time to first token) and the result: its
+        # later steps' tokens are not handed to the event loop, which would wake for every request at every
+        # step (16 clients on 2 cores: 92 against 114 tok/s with them, measured before the main thread
+        # left the cores to the worker).
+        self._stream = req.stream
+        self._tokens_sent = False
         self.generated_tokens = state.metrics.generated_tokens
         if state.shutting_down:
             raise _shutting_down()
@@ -317,6 +323,9 @@ class _Submission:
     def _deliver(self, event: Event) -> None:  # worker thread
         if isinstance(event, TokensEvent):
             self.generated_tokens.inc(len(event.tokens))
+            if self._tokens_sent and not self._stream:
+                return
+            self._tokens_sent = True
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the loop has closed: the server is shutting down
