@@ -142,7 +142,17 @@ def test_sixteen_concurrent_clients_get_their_serial_answers(client):
     assert concurrent == serial
 
 
-def test_sampling_is_reproducible_with_a_seed_and_stop_strings_cut(client):
+@pytest.fixture(params=["one", "batched"])
+def either(request, client, batched_server):
+    """The one-at-a-time server's client, then the batched server's."""
+    if request.param == "one":
+        return client
+    return OpenAI(base_url=f"{batched_server}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_sampling_is_reproducible_with_a_seed_and_stop_strings_cut(either):
+    client = either
+
     def sampled(seed):
         return client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0.9, top_p=0.95,
                                          seed=seed, extra_body={"top_k": 50}).choices[0].text
