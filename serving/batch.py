@@ -161,6 +161,7 @@ class BatchedDecoder:
             outs = run_many([feeds[id(m)] for m in live])
             verify_s = time.perf_counter() - t0
             for m, (logits, hidden) in zip(live, outs, strict=True):
+                assert logits is not None
                 try:
                     m.stream.commit(logits, hidden, verify_s)
                 except Exception as e:

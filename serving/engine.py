@@ -227,7 +227,7 @@ class SpeculativeEngine:
         readers = [d for d in drafters.values() if d.observes_features()]
         if planner is None and not readers:
             if len(committed) > 1:  # prefill all but the pending token
-                llm.forward_chain(prefix)
+                llm.prefill(prefix)
         else:
             width = llm.model.get_output_embeddings().weight.shape[1]
             hidden = (llm.chain_hidden(prefix) if len(committed) > 1

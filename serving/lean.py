@@ -162,7 +162,25 @@ class LeanRunner(ModelRunner):
         self, input_ids: Tensor, position_ids: Tensor, prefix_len: int, tree_mask: Tensor, hidden: bool
     ) -> tuple[Tensor, Tensor | None]:
         """What ``ModelRunner._run`` returns, computed layer by layer."""
-        return run_many([(self, Feed(input_ids, position_ids, prefix_len, tree_mask, hidden))])[0]
+        logits, states = run_many([(self, Feed(input_ids, position_ids, prefix_len, tree_mask, hidden))])[0]
+        assert logits is not None
+        return logits, states
+
+    def chain_hidden(self, tokens: Tensor) -> Tensor:
+        """``ModelRunner.chain_hidden`` without the LM head."""
+        hidden = self._prefill(tokens, hidden=True)
+        assert hidden is not None
+        return hidden
+
+    def prefill(self, tokens: Tensor) -> None:
+        """``ModelRunner.prefill`` without the LM head."""
+        self._prefill(tokens, hidden=False)
+
+    def _prefill(self, tokens: Tensor, hidden: bool) -> Tensor | None:
+        p, t = self.cached_len, tokens.shape[0]
+        feed = Feed(tokens.unsqueeze(0), torch.arange(p, p + t).unsqueeze(0), p,
+                    torch.ones(t, t, dtype=torch.bool).tril(), hidden=hidden, logits=False)
+        return run_many([(self, feed)])[0][1]
 
 
     @torch.inference_mode()  # the cache was made under inference mode
@@ -191,6 +209,8 @@ class Feed:
         prefix_len: P, cached positions every fed token sees.
         tree_mask: (T, S - P) bool over the positions after the prefix, S = cached length + T.
         hidden: also return the (T, H) fp32 last-layer hidden states.
+        logits: return the logits (False: skip the LM head for these rows, as a prefill may: for the
+            135M LLM's 49,152-row head that is about a quarter of a prompt's forward).
     """
 
     inputs: Tensor
@@ -198,6 +218,7 @@ class Feed:
     prefix_len: int
     tree_mask: Tensor
     hidden: bool = False
+    logits: bool = True
 
 
 @dataclass(frozen=True)
@@ -228,12 +249,12 @@ def _mask(prefix_len: int, tree_mask: Tensor, s: int, rep: int) -> _Mask:
 
 
 @torch.inference_mode()
-def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor, Tensor | None]]:
+def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor | None, Tensor | None]]:
     """Feed several runners of one model (each its own request's cache) in one forward: the tokens of
     all feeds go through every matrix product together, attention reads each runner's own cache.
 
-    Per feed, returns what that runner's ``_run`` would: the (T, V) fp32 logits and, with
-    ``Feed.hidden``, the (T, H) fp32 last-layer hidden states. One verification forward costs about
+    Per feed, returns what that runner's ``_run`` would: the (T, V) fp32 logits (None without
+    ``Feed.logits``) and, with ``Feed.hidden``, the (T, H) fp32 last-layer hidden states. One verification forward costs about
     as much for a few tokens as for one on a CPU (weights are read once per product), so several
     requests' trees verify for little more than one's (``serving/batch.py``)."""
     first = feeds[0][0]
@@ -288,10 +309,15 @@ def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor, Ten
     for (runner, _), (_, _, _, s, _) in zip(feeds, spans, strict=True):
         runner._len = s
     last = body.norm(x)[0]  # (sum T, H)
-    if first._head is not None:
-        logits = first._restricted_logits(last)
-    else:
-        logits = first.model.get_output_embeddings()(last).float()
     hidden = last.float() if any(f.hidden for _, f in feeds) else None
-    return [(logits[a:b], hidden[a:b] if f.hidden and hidden is not None else None)
+    heads = [(a, b) for (_, f), (a, b, *_) in zip(feeds, spans, strict=True) if f.logits]
+    if len(heads) == len(feeds):
+        rows, at = last, {a: a for a, _ in heads}
+    else:  # only the rows whose logits are wanted go through the LM head
+        rows = torch.cat([last[a:b] for a, b in heads]) if heads else last[:0]
+        at, off = {}, 0
+        for a, b in heads:
+            at[a], off = off, off + b - a
+    logits = first._restricted_logits(rows) if first._head is not None else first.model.get_output_embeddings()(rows).float()
+    return [(logits[at[a] : at[a] + b - a] if f.logits else None, hidden[a:b] if f.hidden and hidden is not None else None)
             for (_, f), (a, b, _, _, _) in zip(feeds, spans, strict=True)]

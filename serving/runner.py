@@ -218,6 +218,11 @@ class ModelRunner:
         mask = torch.ones(t, t, dtype=torch.bool).tril()
         return self.forward(tokens.unsqueeze(0), pos, p, mask)
 
+    def prefill(self, tokens: Tensor) -> None:
+        """Feed (T,) tokens as a plain causal continuation of the cache, for the cache alone (a runner may
+        skip what nobody reads: ``LeanRunner`` skips the LM head)."""
+        self.forward_chain(tokens)
+
     def keep(self, start: int, offsets: Tensor) -> None:
         """Keep cache entries ``start + offsets`` (moved to ``start...``) and drop the rest."""
         compact_cache(self.cache, start, offsets)

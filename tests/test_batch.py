@@ -80,6 +80,29 @@ def test_run_many_computes_what_each_runner_computes_alone(models):
         assert r.cached_len == s.cached_len
 
 
+def test_prefill_skips_the_lm_head_and_leaves_the_cache_as_a_full_forward_does(models):
+    llm = models[0]
+    base = LeanRunner(llm)
+    lean, full, plain = base.spawn(), base.spawn(), ModelRunner(llm)
+    prompt = torch.arange(3, 40) % 60
+    hidden = lean.chain_hidden(prompt)
+    torch.testing.assert_close(hidden, plain.chain_hidden(prompt), rtol=1e-5, atol=1e-5)
+    full.forward_chain(prompt)
+    nxt = torch.tensor([9, 4])
+    torch.testing.assert_close(lean.forward_chain(nxt), full.forward_chain(nxt), rtol=1e-6, atol=1e-6)
+    # in one forward: a feed without logits (a prefill) beside one with them
+    a, b = base.spawn(), base.spawn()
+    b.forward_chain(prompt[:5])
+    outs = run_many([(a, Feed(prompt.unsqueeze(0), torch.arange(37).unsqueeze(0), 0,
+                              torch.ones(37, 37, dtype=torch.bool).tril(), logits=False)),
+                     (b, Feed(torch.tensor([[7]]), torch.tensor([[5]]), 5, torch.ones(1, 1, dtype=torch.bool)))])
+    assert outs[0] == (None, None)
+    solo = base.spawn()
+    solo.forward_chain(prompt[:5])
+    torch.testing.assert_close(outs[1][0], solo.forward_chain(torch.tensor([7])), rtol=1e-5, atol=1e-5)
+    assert a.cached_len == 37
+
+
 @pytest.mark.parametrize("max_tokens", [64, 9])  # 8: trees cut to the budget, some steps without drafting
 def test_greedy_requests_joining_mid_stream_decode_as_alone(models, max_tokens):
     engine = _engine(models)
