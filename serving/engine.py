@@ -303,7 +303,7 @@ class Stream:
         self._draft_s = []
         self._drafted = drafting
         drafters = self.drafting if drafting else []
-        self._tree, self._maps = _draft(torch.tensor(self.committed), self.sampling, self.gen, drafters, self._draft_s)
+        self._tree, self._maps = _draft(self.committed, self.sampling, self.gen, drafters, self._draft_s)
         prefix_len = len(self.committed) - 1
         input_ids, pos, mask = verification_inputs(self._tree, self.committed[-1], prefix_len)
         return input_ids, pos, prefix_len, mask
@@ -362,16 +362,17 @@ class Stream:
 
 
 def _draft(
-    committed: Tensor, sampling: SamplingParams, gen: torch.Generator,
+    committed: list[int], sampling: SamplingParams, gen: torch.Generator,
     drafters: Sequence[tuple[Drafter, TreeConfig]], times: list[float],
 ) -> tuple[TokenTree, list[Tensor]]:
     """Merged tree of ``drafters``, each drafting its tree; appends each draft's seconds to ``times``."""
-    if not drafters:
+    if not drafters:  # a plain step: no tensor of the whole text to build
         return TokenTree.empty(), []
+    ids = torch.tensor(committed)
     trees = []
     for d, tree in drafters:
         t0 = time.perf_counter()
-        trees.append(d.draft(committed, tree, sampling, gen))
+        trees.append(d.draft(ids, tree, sampling, gen))
         times.append(time.perf_counter() - t0)
     return merge_trees(trees, dedupe=sampling.greedy)
 

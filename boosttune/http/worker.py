@@ -114,7 +114,6 @@ class EngineWorker:
                 self.batch = BatchedDecoder(served.engine, max_batch, max(max_batch_tokens, max_batch), draft_max_batch)
             else:
                 log.warning("serving one request at a time: this engine cannot batch requests (%s)", why)
-        self._active: dict[int, tuple[Job, float]] = {}  # batched jobs by id(Member): the job, its queue time
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._on_finished = on_finished
         self._thread = threading.Thread(target=self._run, name="boosttune-engine", daemon=True)
@@ -132,8 +131,8 @@ class EngineWorker:
         current = self._current
         if current is not None:
             current.cancel.set()
-        for job, _ in list(self._active.values()):
-            job.cancel.set()
+        for member in list(self.batch.members if self.batch is not None else []):
+            member.tag[0].cancel.set()  # a batched job's tag: (job, queue time)
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -162,12 +161,12 @@ class EngineWorker:
 
     @property
     def busy(self) -> bool:
-        return self._current is not None or bool(self._active)
+        return self._current is not None or self.running > 0
 
     @property
     def running(self) -> int:
         """Jobs being decoded now."""
-        return len(self._active) if self.batch is not None else int(self._current is not None)
+        return len(self.batch) if self.batch is not None else int(self._current is not None)
 
     @property
     def alive(self) -> bool:
@@ -214,7 +213,7 @@ class EngineWorker:
                     return
                 self._admit(batch, job)
             for member in list(batch.members):
-                job, _ = self._active[id(member)]
+                job, _ = member.tag
                 if job.cancel.is_set():
                     self._leave(batch, member, CancelledEvent())
             if not len(batch):
@@ -227,7 +226,7 @@ class EngineWorker:
                     self._leave(batch, member, FailedEvent(f"{type(e).__name__}: {e}"))
                 continue
             for member in left:
-                job, queue_time = self._active.pop(id(member))
+                job, queue_time = member.tag
                 if member.error is not None:
                     log.error("engine failed on a request", exc_info=member.error)
                     self._finish(job, FailedEvent(f"{type(member.error).__name__}: {member.error}"))
@@ -245,17 +244,16 @@ class EngineWorker:
             job.deliver(TokensEvent(list(tokens)))
 
         try:
-            member = batch.add(job.prompt_ids, job.stop, job.sampling, on_tokens,
-                               planner=self.served.planner(job.prompt_ids, job.chat))
+            batch.add(job.prompt_ids, job.stop, job.sampling, on_tokens,
+                      planner=self.served.planner(job.prompt_ids, job.chat), tag=(job, queue_time))
         except Exception as e:  # one bad request must not stop the worker
             log.exception("engine failed on a request")
             self._finish(job, FailedEvent(f"{type(e).__name__}: {e}"))
             return
-        self._active[id(member)] = (job, queue_time)
 
     def _leave(self, batch: BatchedDecoder, member: Member, event: Event) -> None:
         batch.remove(member)
-        job, _ = self._active.pop(id(member))
+        job, _ = member.tag
         self._finish(job, event)
 
     def _generate(self, job: Job) -> Event:
