@@ -78,6 +78,24 @@ class Served:
         return tree.max_depth if tree is not None else 0
 
 
+def compile_served(served: Served) -> float:
+    """Compile the LLM's forward of ``served`` (``serving/compiled.py``) and its two graphs now; returns
+    the seconds it took. Raises ValueError naming ``--compile`` where the LLM's forward cannot be
+    compiled (not the lean CPU forward), before any compile work."""
+    from boosttune.serving.compiled import compile_llm, compile_reason
+
+    runner = served.engine.llm
+    why = compile_reason(runner)
+    if why is not None:
+        raise ValueError(f"--compile: {why}; leave --compile off for this LLM")
+    try:
+        return compile_llm(runner)  # type: ignore[arg-type]
+    except Exception as e:  # inductor's own errors (e.g. no C++ compiler): say which flag to drop
+        runner.compiled = None  # type: ignore[attr-defined]
+        raise ValueError(f"--compile: torch.compile failed ({type(e).__name__}: {str(e)[:300]}); leave --compile "
+                         "off, or install a C++ compiler (inductor builds the graphs with it)") from e
+
+
 def ssm_names(n: int) -> list[str]:
     """The names of ``n`` SSMs given without names: ssm-1 .. ssm-N, as a run and its bundles name them."""
     return [ssm_name(k) for k in range(1, n + 1)]

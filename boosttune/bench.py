@@ -81,6 +81,8 @@ class BenchConfig:
         device: where the LLM and the drafters run in every method (``core/device.py``: auto, cpu,
             cuda, cuda:N); each method's inputs go to the LLM's device. The llama.cpp methods ignore
             it (llama-server runs where its build runs).
+        compile: compile the LLM's CPU forward (``serving/compiled.py``) before any method runs;
+            baseline and ours then both run it.
     """
 
     questions: str
@@ -103,6 +105,7 @@ class BenchConfig:
     draft_gguf: str | None = None
     llama_draft_max: int | None = None
     device: str = "auto"
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.methods is None:
@@ -278,6 +281,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         bundle=cfg.bundle, llm=cfg.llm, ssms=cfg.ssms, dtype=cfg.dtype, ssm_dtype=cfg.ssm_dtype, tree=cfg.tree,
         draft_ranking=cfg.draft_ranking, lookup=cfg.prompt_lookup, use_scheduler=cfg.use_scheduler, device=cfg.device,
     )
+    compile_s = assemble.compile_served(served) if cfg.compile else None
     llm, ssms = served.llm, list(served.models.values())
     tok = llm.tokenizer
     eos = eos_token_ids(llm)
@@ -315,6 +319,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
                 files[m].flush()
         llama = _llama_summary(cfg, servers, results, eos) if servers else None
     summary = summarize(results, cfg, served, llama, [p.category for p in prompts])
+    summary["compile_s"] = None if compile_s is None else round(compile_s, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -371,6 +376,7 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, serv
         "tokens_per_s": tps("ours"),
         "baseline_tokens_per_s": tps("baseline"),
         "llm_runner": type(served.engine.llm).__name__,  # baseline's and ours' LLM forward
+        "llm_compiled": getattr(served.engine.llm, "compiled", None) is not None,
         "hf_plain_tokens_per_s": tps("hf_plain"),
         "hf_plain_identical": same("hf_plain"),
         "hf_assisted_tokens_per_s": tps("hf_assisted"),
@@ -432,7 +438,8 @@ def format_table(summary: dict) -> str:
         rows.append((f"{m} (llama.cpp)", f"{summary[f'{m}_tokens_per_s']:.2f}", "-", _fmt(summary[f"{m}_acceptance"]),
                      _ratio(summary[f"{m}_tokens_per_s"], base), _fmt_int(summary[f"{m}_identical"])))
     lines = text_table(rows)
-    footer = (f"dtype={summary['dtype']} (SSMs {summary['ssm_dtype']})  LLM runner={summary.get('llm_runner')}  "
+    runner = f"{summary.get('llm_runner')}{' compiled' if summary.get('llm_compiled') else ''}"
+    footer = (f"dtype={summary['dtype']} (SSMs {summary['ssm_dtype']})  LLM runner={runner}  "
               f"questions={summary['total']}  "
               f"threads={summary['threads']}  greedy_identical={summary['greedy_identical']}")
     if summary["speedup_vs_hf_assisted"] is not None:

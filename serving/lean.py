@@ -37,6 +37,7 @@ import copy
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,9 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from boosttune.kernels.tree_attention import full_mask, tree_attention
 from boosttune.serving import cpu_linear
 from boosttune.serving.runner import ModelRunner
+
+if TYPE_CHECKING:
+    from boosttune.serving.compiled import CompiledForward
 
 ENV_VAR = "BOOSTTUNE_LEAN"
 
@@ -127,6 +131,7 @@ class LeanRunner(ModelRunner):
         self._len = 0
         self._keys: list[Tensor] = []  # per layer (G, capacity, C)
         self._values: list[Tensor] = []
+        self.compiled: CompiledForward | None = None  # compiled single-request forward (``compiled.compile_llm``)
 
     @property
     def cached_len(self) -> int:
@@ -280,6 +285,13 @@ def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor | No
     cos, sin = body.rotary_emb(x, torch.cat(positions, dim=1) if len(positions) > 1 else positions[0])
     for (runner, _), (_, _, _, s, _) in zip(feeds, spans, strict=True):
         runner._reserve(s, x.dtype)
+    only = feeds[0][1]
+    if len(feeds) == 1 and first.compiled is not None and only.logits and spans[0][4].raw is None:
+        s0, s = spans[0][2], spans[0][3]
+        logits, last = first.compiled(x, cos, sin, torch.arange(s0, s, device=dev), first._keys, first._values, s,
+                                      spans[0][4].folded)
+        first._len = s
+        return [(logits, last if only.hidden else None)]
     q_n, g_n, c, n = first._q, first._g, first._c, x.shape[1]
     for i, layer in enumerate(body.layers):
         h = layer.input_layernorm(x)

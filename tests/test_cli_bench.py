@@ -76,6 +76,18 @@ def test_bench_baseline_runs_through_the_engines_llm_runner_beside_transformers(
     assert all(r["choices"][0]["plan"] == {} and set(r["choices"][0]["accept_lengths"]) == {1} for r in baseline)
 
 
+def test_bench_with_a_compiled_llm_stays_identical_to_transformers(tiny_dirs, tmp_path, capsys):
+    """--compile: baseline and ours run the compiled LLM forward; fp32 answers are transformers' own."""
+    out = tmp_path / "bench"
+    assert main(["bench", "--llm", str(tiny_dirs / "llm"), "--ssm", str(tiny_dirs / "ssm"), "--questions", str(MT_BENCH),
+                 "--limit", "2", "--max-new-tokens", "8", "--methods", "baseline,hf_plain,ours", "--out", str(out),
+                 "--compile"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["llm_compiled"] is True and summary["compile_s"] > 0
+    assert summary["hf_plain_identical"] == summary["greedy_identical"] == 2
+    assert "LLM runner=LeanRunner compiled" in capsys.readouterr().out
+
+
 def test_bench_with_prompt_lookup_alone_against_hf_prompt_lookup(tiny_dirs, tmp_path):
     """No SSM: ours drafts by prompt lookup only; HF's prompt lookup decoding is the peer."""
     out = tmp_path / "bench"

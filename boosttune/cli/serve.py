@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from boosttune.cli.flags import DTYPE_HELP, add_device_arg
+from boosttune.cli.flags import COMPILE_HELP, DTYPE_HELP, add_device_arg
 from boosttune.http.timeouts import ConnectionTimeouts
 
 
@@ -89,6 +89,7 @@ def add_commands(sub) -> dict:
     s.add_argument("--draft-max-batch", type=int, default=None, metavar="N",
                    help="requests draft token trees only while at most N decode at once; larger batches take "
                         "plain steps, which cost less per token there (default 2; 0: never draft)")
+    s.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     s.add_argument("--no-scheduler", action="store_true",
                    help="ignore the bundle's learned scheduler: every request drafts with all SSMs "
                         "(and prompt lookup if the bundle was exported with --prompt-lookup)")
@@ -119,7 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(model_name=args.model_name, max_queue=args.max_queue,
                           max_request_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens,
                           torch_threads=engine_threads, use_scheduler=not args.no_scheduler, timeouts=timeouts,
-                          max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
+                          max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens, compile=args.compile,
                           **({} if args.draft_max_batch is None else {"draft_max_batch": args.draft_max_batch}))
     bundle = load_bundle(args.bundle, llm=args.llm, dtype=args.dtype, ssm_dtype=args.ssm_dtype, device=args.device)
     run_server(bundle, config, host=args.host, port=args.port, log_level=args.log_level)

@@ -1,0 +1,136 @@
+"""The compiled LLM forward computes what the eager lean forward computes, through a whole request;
+engines whose LLM runs it decode exactly as plain decoding does; it compiles two graphs, not one per
+cache length or tree size; what cannot be compiled says why.
+
+One tiny model is compiled for the whole module (inductor compiles C++: seconds per graph)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import perturbed, tiny_llama
+from torch._dynamo.utils import counters
+
+from boosttune.assemble import compile_served, engine_from_models
+from boosttune.serving.compiled import compile_llm, compile_reason
+from boosttune.serving.decode import incremental_generate
+from boosttune.serving.engine import Plan
+from boosttune.serving.lean import Feed, LeanRunner, run_many
+from boosttune.serving.runner import ModelRunner
+from boosttune.serving.stops import StopCriteria
+from boosttune.serving.tree import TreeConfig
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return tiny_llama(11, layers=3)
+
+
+@pytest.fixture(scope="module")
+def compiled(llm):
+    """A compiled lean runner of ``llm`` (warmed up: both graphs exist) and the graphs compiled for it."""
+    before = counters["stats"]["unique_graphs"]
+    runner = LeanRunner(llm)
+    compile_llm(runner)
+    return runner, counters["stats"]["unique_graphs"] - before
+
+
+@torch.inference_mode()  # as the engine steps
+def test_compiled_runner_matches_the_eager_one_through_a_request(llm, compiled):
+    runner = compiled[0].spawn()
+    eager = LeanRunner(llm)
+    assert runner.compiled is not None and eager.compiled is None
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(2, 64, (9,), generator=g)
+    _close(runner.forward_chain(prompt), eager.forward_chain(prompt))
+    for step in range(110):  # trees of 4 and plain steps, past the first capacity (256): the cache grows
+        p = runner.cached_len
+        if step % 3:
+            toks = torch.randint(2, 64, (1, 4), generator=g)
+            pos = torch.tensor([[p, p + 1, p + 1, p + 2]])
+            mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+            keep = torch.tensor([0, 2, 3])
+        else:
+            toks, pos, mask, keep = torch.randint(2, 64, (1, 1), generator=g), torch.tensor([[p]]), \
+                torch.ones(1, 1, dtype=torch.bool), torch.tensor([0])
+        a, ha = runner.forward_hidden(toks, pos, p, mask)
+        b, hb = eager.forward_hidden(toks, pos, p, mask)
+        _close(a, b)
+        _close(ha, hb)
+        runner.keep(p, keep)
+        eager.keep(p, keep)
+    assert runner.cached_len == eager.cached_len > 256
+    runner.crop(5)
+    eager.crop(5)
+    nxt = torch.tensor([7, 8, 9])
+    _close(runner.forward_chain(nxt), eager.forward_chain(nxt))
+
+
+def test_two_graphs_serve_every_length_and_tree(compiled):
+    """The warm-up compiles a plain step's graph and a tree's; the request above (cache growth, trees,
+    plain steps, a chain after a crop) compiled nothing more."""
+    assert compiled[1] == 2
+    before = counters["stats"]["unique_graphs"]
+    runner = compiled[0].spawn()
+    with torch.inference_mode():
+        runner.prefill(torch.arange(2, 40))
+        for t in (1, 5, 9, 1, 3):
+            p = runner.cached_len
+            runner.forward(torch.full((1, t), 3), torch.arange(p, p + t).unsqueeze(0), p,
+                           torch.ones(t, t, dtype=torch.bool).tril())
+    assert counters["stats"]["unique_graphs"] == before
+
+
+@pytest.mark.parametrize("tree", [TreeConfig(widths=(2, 2, 1)), TreeConfig(kind="dynamic", topk=3, depth=3, budget=6)])
+def test_engines_with_a_compiled_llm_decode_exactly(llm, compiled, tree):
+    """fp32 greedy output equals transformers' incremental decoding, for plain decoding and drafted
+    trees alike, and the drafts are accepted as with the eager LLM forward."""
+    ssm = perturbed(llm, 12, 0.3)
+    engine = engine_from_models(llm, [ssm], tree)
+    eager = engine_from_models(llm, [ssm], tree)
+    engine.llm.compiled = compiled[0].compiled  # the module's compiled forward of this very LLM
+    stop = StopCriteria(max_new_tokens=40)
+    for prompt in ([5, 9, 2], [7, 3, 3, 11, 20, 4]):
+        ref = incremental_generate(llm, prompt, stop).tokens
+        res = engine.generate(prompt, stop)
+        assert res.tokens == ref
+        assert engine.generate(prompt, stop, plan=Plan()).tokens == ref
+        assert res.accept_lengths == eager.generate(prompt, stop).accept_lengths
+        assert res.tau > 1.1
+
+
+@torch.inference_mode()
+def test_batches_of_compiled_runners_run_eager_and_match(llm, compiled):
+    """Several requests in one forward take the eager path (each runner alone takes the compiled one)."""
+    runners = [compiled[0].spawn() for _ in range(2)]
+    alone = [LeanRunner(llm) for _ in range(2)]
+    for k, (r, a) in enumerate(zip(runners, alone, strict=True)):
+        ids = torch.arange(3 + k, 10 + 2 * k)
+        r.prefill(ids)
+        a.prefill(ids)
+    feeds = [Feed(torch.tensor([[4, 5]]), torch.tensor([[r.cached_len, r.cached_len + 1]]), r.cached_len,
+                  torch.ones(2, 2, dtype=torch.bool).tril()) for r in runners]
+    together = run_many(list(zip(runners, feeds, strict=True)))
+    for (logits, _), a, f in zip(together, alone, feeds, strict=True):
+        _close(logits, a.forward(f.inputs, f.position_ids, f.prefix_len, f.tree_mask))
+
+
+def test_what_cannot_compile_says_why(llm):
+    assert "ModelRunner" in compile_reason(ModelRunner(copy.deepcopy(llm)))
+    restricted = LeanRunner(llm, head_ids=torch.tensor([3, 4, 5]))
+    assert "draft vocabulary" in compile_reason(restricted)
+    with pytest.raises(ValueError, match="cannot compile"):
+        compile_llm(restricted)
+    biased = tiny_llama(13)
+    biased.config.attention_bias = True
+    engine = engine_from_models(biased, [], TreeConfig(widths=(1,)))
+    from boosttune.assemble import Served
+
+    with pytest.raises(ValueError, match="--compile: .*ModelRunner"):
+        compile_served(Served(engine=engine, llm=None, models={}))  # type: ignore[arg-type]
