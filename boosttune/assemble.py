@@ -79,19 +79,22 @@ class Served:
 
 
 def compile_served(served: Served) -> float:
-    """Compile the LLM's forward of ``served`` (``serving/compiled.py``) and its two graphs now; returns
-    the seconds it took. Raises ValueError naming ``--compile`` where the LLM's forward cannot be
-    compiled (not the lean CPU forward), before any compile work."""
-    from boosttune.serving.compiled import compile_llm, compile_reason
+    """Compile the forward of ``served``'s LLM and of each drafter that runs the lean CPU forward (SSMs,
+    feature heads; ``serving/compiled.py``), with their graphs, now; returns the seconds it took.
+    Raises ValueError naming ``--compile`` where the LLM's forward cannot be compiled (not the lean CPU
+    forward), before any compile work, or where inductor fails."""
+    from boosttune.serving.compiled import compile_reason, compile_runner
 
-    runner = served.engine.llm
-    why = compile_reason(runner)
+    llm = served.engine.llm
+    why = compile_reason(llm)
     if why is not None:
         raise ValueError(f"--compile: {why}; leave --compile off for this LLM")
+    drafters = [r for d in served.engine.drafters.values() if compile_reason(r := getattr(d, "runner", None)) is None]
     try:
-        return compile_llm(runner)  # type: ignore[arg-type]
+        return sum(compile_runner(r) for r in [llm, *drafters])  # type: ignore[arg-type]
     except Exception as e:  # inductor's own errors (e.g. no C++ compiler): say which flag to drop
-        runner.compiled = None  # type: ignore[attr-defined]
+        for r in [llm, *drafters]:
+            r.compiled = None  # type: ignore[attr-defined]
         raise ValueError(f"--compile: torch.compile failed ({type(e).__name__}: {str(e)[:300]}); leave --compile "
                          "off, or install a C++ compiler (inductor builds the graphs with it)") from e
 

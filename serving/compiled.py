@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import types
 import weakref
 from typing import TYPE_CHECKING
 
@@ -83,11 +84,9 @@ def compile_reason(runner: object) -> str | None:
     from boosttune.serving.lean import LeanRunner
 
     if not isinstance(runner, LeanRunner):
-        return f"the LLM runs through {type(runner).__name__}, not the lean forward"
+        return f"the model runs through {type(runner).__name__}, not the lean forward"
     if runner.device.type != "cpu":
-        return f"the LLM is on {runner.device}; the compiled forward is for CPUs"
-    if runner._head is not None:
-        return "the LLM's head is restricted to a draft vocabulary"
+        return f"the model is on {runner.device}; the compiled forward is for CPUs"
     return None
 
 
@@ -115,7 +114,10 @@ class CompiledForward(torch.nn.Module):
              reg(ly.mlp.gate_proj, ly.mlp.up_proj), reg(ly.mlp.down_proj))
             for ly in body.layers
         )
-        self._head = reg(model.get_output_embeddings())
+        # a drafter's head may be restricted to a draft vocabulary: (K,) ids, their rows' logits, -inf elsewhere
+        self._head = reg(runner._head) if runner._head is not None else reg(model.get_output_embeddings())
+        self._head_ids = runner.head_ids
+        self._vocab = model.get_output_embeddings().weight.shape[0]
         # the norms' weights enter the graph as one input (tensors held as constants defeat the compile
         # cache, and each tensor input adds symbols and guards)
         self._norms = torch.stack([w.detach() for ly in body.layers for w in (ly.input_layernorm.weight,
@@ -123,7 +125,10 @@ class CompiledForward(torch.nn.Module):
         self._eps = float(body.norm.variance_epsilon)
         self._q, self._g, self._c, self._scale = runner._q, runner._g, runner._c, runner._scale
         weakref.finalize(self, _drop, keys)
-        self._fn = torch.compile(self._forward, dynamic=True, fullgraph=True)
+        # dynamo caches graphs per code object, at most ``recompile_limit`` (8) of them, and each
+        # instance needs its own two: each instance compiles a copy of ``_forward``'s code
+        own = types.FunctionType(CompiledForward._forward.__code__.replace(), globals(), "_forward")
+        self._fn = torch.compile(types.MethodType(own, self), dynamic=True, fullgraph=True)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, keys: list[Tensor],
                  values: list[Tensor], length: int, mask: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -131,7 +136,7 @@ class CompiledForward(torch.nn.Module):
         (per layer (G, capacity, C), written in place); ``cos``/``sin`` (1, T, C) their rotary
         factors, ``length`` = S, ``mask`` the (rep T, S) folded attention mask or None (every
         query sees every key). Returns the (T, V) fp32 logits and (T, H) fp32 last hidden states."""
-        return self._fn(x, cos, sin, slots, keys, values, length, mask, self._norms)
+        return self._fn(x, cos, sin, slots, keys, values, length, mask, self._norms, self._head_ids)
 
     def _rms(self, x: Tensor, weight: Tensor) -> Tensor:
         h = x.float()
@@ -139,7 +144,8 @@ class CompiledForward(torch.nn.Module):
         return weight * h.to(x.dtype)  # transformers' LlamaRMSNorm, step for step
 
     def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, keys: list[Tensor],
-                 values: list[Tensor], length: int, mask: Tensor | None, norms: Tensor) -> tuple[Tensor, Tensor]:
+                 values: list[Tensor], length: int, mask: Tensor | None, norms: Tensor,
+                 head_ids: Tensor | None) -> tuple[Tensor, Tensor]:
         q_n, g_n, c = self._q, self._g, self._c
         t = x.shape[1]
         half = c // 2
@@ -165,12 +171,16 @@ class CompiledForward(torch.nn.Module):
             gate, up = op(self._rms(x, norms[2 * i + 1]), gate_up_key).chunk(2, dim=-1)
             x = x + op(F.silu(gate) * up, down_key)
         last = self._rms(x, norms[-1])[0]  # (T, H)
-        return op(last, self._head).float(), last.float()
+        logits = op(last, self._head).float()  # (T, V), or (T, K) over a draft vocabulary
+        if head_ids is not None:  # ModelRunner._restricted_logits
+            logits = logits.new_full((t, self._vocab), float("-inf")).index_copy(1, head_ids, logits)
+        return logits, last.float()
 
 
-def compile_llm(runner: LeanRunner, warm_up: bool = True) -> float:
-    """Give ``runner`` (and the runners it spawns later) the compiled forward; with ``warm_up``,
-    compile its two graphs now (a plain step and a tree) on a scratch runner. Returns the seconds spent."""
+def compile_runner(runner: LeanRunner, warm_up: bool = True) -> float:
+    """Give ``runner`` (the LLM's, or a drafter's) and the runners it spawns later the compiled forward;
+    with ``warm_up``, compile its two graphs now (a plain step and a tree) on a scratch runner.
+    Returns the seconds spent."""
     start = time.perf_counter()
     runner.compiled = CompiledForward(runner)
     if warm_up:

@@ -131,7 +131,7 @@ class LeanRunner(ModelRunner):
         self._len = 0
         self._keys: list[Tensor] = []  # per layer (G, capacity, C)
         self._values: list[Tensor] = []
-        self.compiled: CompiledForward | None = None  # compiled single-request forward (``compiled.compile_llm``)
+        self.compiled: CompiledForward | None = None  # compiled single-request forward (``compiled.compile_runner``)
 
     @property
     def cached_len(self) -> int:

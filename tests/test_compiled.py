@@ -14,7 +14,7 @@ from conftest import perturbed, tiny_llama
 from torch._dynamo.utils import counters
 
 from boosttune.assemble import compile_served, engine_from_models
-from boosttune.serving.compiled import compile_llm, compile_reason
+from boosttune.serving.compiled import compile_reason, compile_runner
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.engine import Plan
 from boosttune.serving.lean import Feed, LeanRunner, run_many
@@ -37,7 +37,7 @@ def compiled(llm):
     """A compiled lean runner of ``llm`` (warmed up: both graphs exist) and the graphs compiled for it."""
     before = counters["stats"]["unique_graphs"]
     runner = LeanRunner(llm)
-    compile_llm(runner)
+    compile_runner(runner)
     return runner, counters["stats"]["unique_graphs"] - before
 
 
@@ -121,12 +121,34 @@ def test_batches_of_compiled_runners_run_eager_and_match(llm, compiled):
         _close(logits, a.forward(f.inputs, f.position_ids, f.prefix_len, f.tree_mask))
 
 
+@torch.inference_mode()
+def test_a_drafters_runner_with_a_draft_vocabulary_compiles_too(llm):
+    """A drafter's head restricted to a draft vocabulary: its logits there, -inf elsewhere, as eager."""
+    ids = torch.tensor([5, 1, 9, 30, 2])
+    runner, eager = LeanRunner(llm, head_ids=ids), LeanRunner(llm, head_ids=ids)
+    compile_runner(runner)
+    prompt = torch.randint(2, 64, (7,), generator=torch.Generator().manual_seed(3))
+    _close(runner.forward_chain(prompt), eager.forward_chain(prompt))
+    p = runner.cached_len
+    a, ha = runner.forward_hidden(torch.tensor([[4]]), torch.tensor([[p]]), p, torch.ones(1, 1, dtype=torch.bool))
+    b, hb = eager.forward_hidden(torch.tensor([[4]]), torch.tensor([[p]]), p, torch.ones(1, 1, dtype=torch.bool))
+    _close(a, b)
+    _close(ha, hb)
+    assert torch.isinf(a[:, [0, 3, 4]]).all() and torch.isfinite(a[:, ids]).all()
+
+
+def test_served_engines_compile_the_llm_and_each_lean_drafter(llm):
+    from boosttune.assemble import Served
+
+    engine = engine_from_models(llm, [perturbed(llm, 14, 0.3)], TreeConfig(widths=(2, 1)), lookup=3)
+    assert compile_served(Served(engine=engine, llm=None, models={})) > 0  # type: ignore[arg-type]
+    assert engine.llm.compiled is not None and engine.drafters["ssm-1"].runner.compiled is not None
+    stop = StopCriteria(max_new_tokens=30)
+    assert engine.generate([5, 9, 2], stop).tokens == incremental_generate(llm, [5, 9, 2], stop).tokens
+
+
 def test_what_cannot_compile_says_why(llm):
     assert "ModelRunner" in compile_reason(ModelRunner(copy.deepcopy(llm)))
-    restricted = LeanRunner(llm, head_ids=torch.tensor([3, 4, 5]))
-    assert "draft vocabulary" in compile_reason(restricted)
-    with pytest.raises(ValueError, match="cannot compile"):
-        compile_llm(restricted)
     biased = tiny_llama(13)
     biased.config.attention_bias = True
     engine = engine_from_models(biased, [], TreeConfig(widths=(1,)))

@@ -262,6 +262,22 @@ def test_batched_server_drops_a_disconnected_client_and_keeps_decoding_the_other
     _wait_idle(batched_server)
 
 
+def test_compiled_batched_server_gives_clients_their_one_at_a_time_answers(client, loaded):
+    """--compile: a request decoding alone steps through the compiled forward, in a batch through the
+    eager one, on the same caches; fp32 answers stay the uncompiled server's."""
+    config = ServerConfig(model_name=MODEL, torch_threads=1, max_batch=4, max_batch_tokens=8, draft_max_batch=4,
+                          compile=True)
+    app = create_app(loaded, config)
+    assert app.state.boosttune.served.engine.llm.compiled is not None
+    jobs = [(PROMPTS[i % len(PROMPTS)], 5 + i % 4, i % 2 == 1) for i in range(6)]
+    serial = [_greedy(client, p, n, chat)[0] for p, n, chat in jobs]
+    with ServerThread(app) as url:
+        compiled = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        assert _greedy(compiled, *jobs[0])[0] == serial[0]  # alone
+        with ThreadPoolExecutor(6) as pool:
+            assert list(pool.map(lambda job: _greedy(compiled, *job)[0], jobs)) == serial
+
+
 def test_serve_flags_name_the_batching_defaults():
     from boosttune.cli import _build
     from boosttune.serving.batch import DRAFT_MAX_BATCH
