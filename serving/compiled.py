@@ -35,16 +35,13 @@ import itertools
 import time
 import types
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from boosttune.serving import cpu_linear
-
-if TYPE_CHECKING:
-    from boosttune.serving.lean import LeanRunner
+from boosttune.serving.lean import LeanRunner
 
 _LIB = torch.library.Library("boosttune", "DEF")
 _LIB.define("packed_linear(Tensor x, int key) -> Tensor")
@@ -81,8 +78,6 @@ def _drop(keys: list[int]) -> None:
 
 def compile_reason(runner: object) -> str | None:
     """Why ``runner``'s forward cannot be compiled (None: it can)."""
-    from boosttune.serving.lean import LeanRunner
-
     if not isinstance(runner, LeanRunner):
         return f"the model runs through {type(runner).__name__}, not the lean forward"
     if runner.device.type != "cpu":

@@ -35,9 +35,8 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -48,9 +47,6 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from boosttune.kernels.tree_attention import full_mask, tree_attention
 from boosttune.serving import cpu_linear
 from boosttune.serving.runner import ModelRunner
-
-if TYPE_CHECKING:
-    from boosttune.serving.compiled import CompiledForward
 
 ENV_VAR = "BOOSTTUNE_LEAN"
 
@@ -131,7 +127,8 @@ class LeanRunner(ModelRunner):
         self._len = 0
         self._keys: list[Tensor] = []  # per layer (G, capacity, C)
         self._values: list[Tensor] = []
-        self.compiled: CompiledForward | None = None  # compiled single-request forward (``compiled.compile_runner``)
+        # the compiled single-request forward (``compiled.CompiledForward``, given by ``compiled.compile_runner``)
+        self.compiled: Callable[..., tuple[Tensor, Tensor]] | None = None
 
     @property
     def cached_len(self) -> int:
