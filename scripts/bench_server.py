@@ -94,6 +94,8 @@ def _start_server(args: argparse.Namespace, max_batch: int | None) -> tuple[subp
         cmd += ["--llm", args.llm]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if args.compile:
+        cmd += ["--compile"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + args.start_timeout
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llm", default=None, help="serve: where the bundle's LLM is")
     p.add_argument("--dtype", default="fp32", help="serve: LLM dtype")
     p.add_argument("--threads", type=int, default=None, help="serve: torch threads of the engine")
+    p.add_argument("--compile", action="store_true", help="serve --compile: the compiled CPU forward")
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts")
     p.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
     p.add_argument("--max-tokens", type=int, default=32)
