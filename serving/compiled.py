@@ -1,27 +1,30 @@
-"""The LLM's lean forward compiled: one captured graph per kind of step instead of ~1,500 small ops.
+"""A lean forward compiled (the LLM's, and drafters'): one captured graph per kind of step instead of
+~1,500 small ops.
 
 Shape legend: T tokens fed in one forward, S cached positions after it, H hidden width, Q query
 heads, G kv heads, C head dim, V vocabulary.
 
 Why: a plain bf16 step of the 135M default LLM through :class:`~boosttune.serving.lean.LeanRunner`
-took 23.2 ms on an AVX512-BF16 EPYC (2 threads), of which its 121 matrix products took ~13 ms; the
+took 23-25 ms on an AVX512-BF16 EPYC (2 threads), of which its 121 matrix products took ~13 ms; the
 rest was the ~50 other ops per layer (norms, rotary, cache writes, attention, residuals) and the
 Python around them. torch.compile's inductor fuses those ops into a few generated C++ loops per
-layer: the same step took 16.0 ms compiled, a tree of 8 tokens 19.1 ms against 26.6.
+layer: in one process, a plain step took 19.1 ms compiled against 24.6, a tree of 8 tokens 22.6
+against 27.9 (docs/measurements.md, "A compiled forward").
 
 How:
 - The matrix products stay oneDNN's packed products (``cpu_linear``), which are faster here than
   what inductor generates for an unpacked weight. The graph calls them through one registered op,
   ``boosttune::packed_linear(x, key)``, that looks the packed weight up by an integer key. The
-  weights thus never enter the graph: inductor's cache on disk serves a second process (a compile
-  of ~8-25 s becomes ~4 s), where freezing the weights into the graph would compile again.
+  weights thus never enter the graph: inductor's cache on disk serves a second process (the LLM's
+  two graphs: ~60 s the first time, ~13 s cached), where freezing the weights into the graph would
+  compile again in every process.
 - One function covers every single-request forward that wants logits: a plain step (T = 1, no
   mask) and a tree (T > 1, a tree mask). Shapes are dynamic, so the cache length and the tree size
   do not recompile; dynamo specialises T = 1 and "mask or none", so a serving process compiles
   two graphs. Prefills (no logits), batches of several requests and masks with rows that see no
   key run the eager lean forward; they share the same caches.
 - The weights are read once, when the graph's keys are registered: a compiled forward is for a
-  frozen model (the LLM being served), never for a model in training.
+  frozen model (a model being served), never for a model in training.
 
 Numerics: fused elementwise ops round differently from the eager ones (bf16 rounding, or fp32
 rounding in fp32). Plain decoding and speculative decoding run the same compiled forward, so the
