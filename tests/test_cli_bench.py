@@ -112,6 +112,15 @@ def test_generate_streams_text_and_statistics(tiny_dirs, capsys):
     assert "tau" in err and "tokens in" in err
 
 
+def test_generate_with_a_compiled_llm_prints_what_plain_generate_prints(tiny_dirs, capsys):
+    args = ["generate", "--llm", str(tiny_dirs / "llm"), "--ssm", str(tiny_dirs / "ssm"), "Hello there",
+            "--max-new-tokens", "10"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--compile"]) == 0
+    assert capsys.readouterr().out == plain and plain.strip()
+
+
 def test_bad_input_fails_fast_naming_the_field(tiny_dirs, tmp_path, capsys):
     rc = main(["bench", "--llm", str(tiny_dirs / "llm"), "--ssm", str(tiny_dirs / "ssm"),
                "--questions", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o")])
