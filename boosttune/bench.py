@@ -81,8 +81,8 @@ class BenchConfig:
         device: where the LLM and the drafters run in every method (``core/device.py``: auto, cpu,
             cuda, cuda:N); each method's inputs go to the LLM's device. The llama.cpp methods ignore
             it (llama-server runs where its build runs).
-        compile: compile the LLM's CPU forward (``serving/compiled.py``) before any method runs;
-            baseline and ours then both run it.
+        compile: compile the CPU forward of the LLM and the drafters (``serving/compiled.py``)
+            before any method runs; baseline and ours then both run the compiled LLM.
     """
 
     questions: str

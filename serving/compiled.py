@@ -13,7 +13,8 @@ against 27.9 (docs/measurements.md, "A compiled forward").
 
 How:
 - The matrix products stay oneDNN's packed products (``cpu_linear``), which are faster here than
-  what inductor generates for an unpacked weight. The graph calls them through one registered op,
+  what inductor generates for an unpacked weight: the very packed weights of the eager lean forward
+  (fused q/k/v and gate/up included), no second copy. The graph calls them through one registered op,
   ``boosttune::packed_linear(x, key)``, that looks the packed weight up by an integer key. The
   weights thus never enter the graph: inductor's cache on disk serves a second process (the LLM's
   two graphs: ~60 s the first time, ~13 s cached), where freezing the weights into the graph would
@@ -65,12 +66,13 @@ def _packed_linear_shape(x: Tensor, key: int) -> Tensor:
     return x.new_empty(*x.shape[:-1], _WEIGHTS[key][0].shape[0])
 
 
-def _register(weight: Tensor) -> int:
-    """A key for ``weight`` (O, I): packed for oneDNN where ``cpu_linear`` would pack it."""
-    w = weight.detach()
-    packable = cpu_linear.layout_mode() == "packed" and cpu_linear.can_pack(w.dtype)
+def _register(linear: torch.nn.Linear) -> int:
+    """A key for ``linear``'s weight and the packed copy it multiplies with (``cpu_linear``; none where
+    it takes another form): the eager forward's own weights, not copies."""
+    w = linear.weight.detach()
+    packed = linear.packed_weight() if isinstance(linear, cpu_linear.CpuLinear) and linear.mode == "packed" else None
     key = next(_KEYS)
-    _WEIGHTS[key] = (w, cpu_linear.pack(w) if packable else None)
+    _WEIGHTS[key] = (w, packed)
     return key
 
 
@@ -99,18 +101,18 @@ class CompiledForward(torch.nn.Module):
         super().__init__()
         why = compile_reason(runner)
         if why is not None:
-            raise ValueError(f"cannot compile the LLM's forward: {why}")
+            raise ValueError(f"cannot compile this forward: {why}")
         body, model = runner._body, runner.model
         keys: list[int] = []
 
-        def reg(*parts: torch.nn.Linear) -> int:
-            keys.append(_register(torch.cat([p.weight.detach() for p in parts])))
+        def reg(linear: torch.nn.Linear) -> int:
+            keys.append(_register(linear))
             return keys[-1]
 
         self._layers = tuple(
-            (reg(ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj), reg(ly.self_attn.o_proj),
-             reg(ly.mlp.gate_proj, ly.mlp.up_proj), reg(ly.mlp.down_proj))
-            for ly in body.layers
+            (reg(runner._qkv[i].current()), reg(ly.self_attn.o_proj), reg(runner._gate_up[i].current()),
+             reg(ly.mlp.down_proj))
+            for i, ly in enumerate(body.layers)
         )
         # a drafter's head may be restricted to a draft vocabulary: (K,) ids, their rows' logits, -inf elsewhere
         self._head = reg(runner._head) if runner._head is not None else reg(model.get_output_embeddings())

@@ -96,6 +96,10 @@ class _Fused:
         self.linear: nn.Linear | None = None
 
     def __call__(self, x: Tensor) -> Tensor:
+        return self.current()(x)
+
+    def current(self) -> nn.Linear:
+        """The fused Linear of the parts' current weights (a ``CpuLinear`` on the CPU)."""
         key = tuple(_version(p.weight) for p in self.parts)
         if key != self.key:
             w = torch.cat([p.weight.detach() for p in self.parts])  # (sum O, I)
@@ -105,7 +109,7 @@ class _Fused:
                 cpu_linear.install(lin)
             self.linear, self.key = lin, key
         assert self.linear is not None
-        return self.linear(x)
+        return self.linear
 
 
 class LeanRunner(ModelRunner):

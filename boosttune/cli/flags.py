@@ -125,7 +125,7 @@ def add_device_arg(p: argparse.ArgumentParser) -> None:
                         "sees a CUDA device, else the CPU)")
 
 
-COMPILE_HELP = ("compile the LLM's CPU forward with torch.compile (serving/compiled.py): plain steps and trees "
+COMPILE_HELP = ("compile the CPU forward of the LLM and the drafters with torch.compile (serving/compiled.py): plain steps and trees "
                 "run ~1.3x faster on a CPU; costs ~15-60 s at start (inductor's cache on disk makes later starts "
                 "the faster end) and needs a C++ compiler")
 """What ``--compile`` says, in every command that decodes."""

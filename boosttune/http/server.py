@@ -115,7 +115,7 @@ class ServerConfig:
             included); trees beyond it are cut, or left undrafted for that step.
         draft_max_batch: requests draft their trees only while at most this many decode at once
             (0: never); larger batches take plain steps (``serving/batch.py``, ``DRAFT_MAX_BATCH``).
-        compile: compile the LLM's CPU forward (``serving/compiled.py``) at start, before the warm-up;
+        compile: compile the CPU forward of the LLM and the drafters (``serving/compiled.py``) at start;
             single requests' steps run it, batched steps of several requests the eager forward.
     """
 
@@ -182,8 +182,8 @@ class _State:
         # what `boosttune generate` and `bench` assemble from the same bundle (boosttune/assemble.py)
         self.served = assemble.from_bundle(bundle, use_scheduler=config.use_scheduler)
         if config.compile:
-            log.info("compiling the LLM's forward")
-            log.info("compiled the LLM's forward in %.1f s", assemble.compile_served(self.served))
+            log.info("compiling the forward of the LLM and the drafters")
+            log.info("compiled in %.1f s", assemble.compile_served(self.served))
         self.scheduler = self.served.scheduler
         if self.scheduler is not None:
             log.info("learned scheduler loaded from %s", bundle.scheduler_dir)
