@@ -5,7 +5,7 @@ prompt ids; speedups are ratios of tokens/s measured in this run (the machine is
 answers follow Spec-Bench's schema (``new_tokens``, ``wall_time``, ``accept_lengths`` per turn;
 Xia et al. 2024, arXiv 2401.07851) in ``DIR/<method>.jsonl``; ``DIR/summary.json`` holds the totals.
 
-The llama.cpp methods (``llama``, ``llama_draft``, ``llama_ngram``; ``boosttune/llama_cpp.py``) run
+The llama.cpp methods (``llama``, ``llama_draft``, ``llama_eagle3``, ``llama_ngram``; ``boosttune/llama_cpp.py``) run
 `llama-server` on the LLM's GGUF, one process per method for the whole run, on the same prompt ids.
 """
 
@@ -76,6 +76,7 @@ class BenchConfig:
             else where scripts/build_llama_server.sh puts it).
         llm_gguf: the LLM as GGUF for the llama.cpp methods (None: the default LLM's own GGUF).
         draft_gguf: the draft model of ``llama_draft`` (a GGUF from `boosttune export RUN --format gguf`).
+        eagle3_gguf: the EAGLE-3 head of ``llama_eagle3`` (``eagle3.<type>.gguf`` from the same export).
         llama_draft_max: the most tokens llama.cpp drafts per step (None: llama.cpp's default for
             llama_draft; ``prompt_lookup`` or 8 for llama_ngram).
         device: where the LLM and the drafters run in every method (``core/device.py``: auto, cpu,
@@ -103,6 +104,7 @@ class BenchConfig:
     llama_server: str | None = None
     llm_gguf: str | None = None
     draft_gguf: str | None = None
+    eagle3_gguf: str | None = None
     llama_draft_max: int | None = None
     device: str = "auto"
     compile: bool = False
@@ -150,12 +152,18 @@ class BenchConfig:
         """The llama.cpp methods asked for, in METHODS order."""
         return [m for m in METHODS if m in llama_cpp.PEER_METHODS and m in self.methods]
 
-    def llama_paths(self) -> tuple[Path, Path, Path | None] | None:
-        """The llama-server binary, the LLM's GGUF and the draft GGUF the llama.cpp methods use (checked,
-        without loading anything); None when no llama.cpp method is asked for."""
+    def llama_paths(self) -> tuple[Path, Path, Path | None, Path | None] | None:
+        """The llama-server binary, the LLM's GGUF, the draft GGUF and the EAGLE-3 GGUF the llama.cpp
+        methods use (checked, without loading anything); None when no llama.cpp method is asked for."""
         peers = self.llama_methods()
         if self.draft_gguf is not None and "llama_draft" not in peers:
             raise ValueError("--draft-gguf is used by the 'llama_draft' method only: add it to --methods")
+        if self.eagle3_gguf is not None and "llama_eagle3" not in peers:
+            raise ValueError("--eagle3-gguf is used by the 'llama_eagle3' method only: add it to --methods")
+        if "llama_eagle3" in peers and self.eagle3_gguf is None:
+            raise ValueError("the 'llama_eagle3' method needs --eagle3-gguf PATH (an EAGLE-3 head's GGUF: "
+                             "`boosttune export RUN --format gguf` writes eagle3.<type>.gguf for a run trained with "
+                             "eagle3.enabled)")
         if not peers:
             return None
         if self.llama_draft_max is not None and self.llama_draft_max < 1:
@@ -171,7 +179,8 @@ class BenchConfig:
             bundle_llm = read_manifest(self.bundle).llm.ref
         gguf = llama_cpp.resolve_llm_gguf(self.llm_gguf, self.llm, bundle_llm)
         draft = llama_cpp.check_gguf(self.draft_gguf, "--draft-gguf") if self.draft_gguf is not None else None
-        return binary, gguf, draft
+        eagle3 = llama_cpp.check_gguf(self.eagle3_gguf, "--eagle3-gguf") if self.eagle3_gguf is not None else None
+        return binary, gguf, draft, eagle3
 
 
 def _hf_generate(llm: LoadedModel, ids: list[int], stop: StopCriteria, **assist) -> GenerationResult:
@@ -204,12 +213,12 @@ def _start_servers(cfg: BenchConfig, encoded: list[list[int]], out: Path, stack:
     paths = cfg.llama_paths()
     if paths is None:
         return {}
-    binary, gguf, draft = paths
+    binary, gguf, draft, eagle3 = paths
     ctx = max(len(ids) for ids in encoded) + cfg.max_new_tokens + _CTX_MARGIN
     ctx = -(-ctx // 256) * 256
     servers = {}
     for m in cfg.llama_methods():
-        extra = llama_cpp.method_args(m, draft, cfg.llama_draft_max, cfg.prompt_lookup)
+        extra = llama_cpp.method_args(m, draft, cfg.llama_draft_max, cfg.prompt_lookup, eagle3)
         server = llama_cpp.LlamaServer(binary, gguf, torch.get_num_threads(), ctx, extra, out / f"{m}.llama-server.log")
         servers[m] = stack.enter_context(server)
     return servers
@@ -344,6 +353,7 @@ def _llama_summary(cfg: BenchConfig, servers: dict[str, llama_cpp.LlamaServer],
             "stopped_outside_our_eos": sum(r.finish_reason == "stop" and r.tokens[-1] not in eos for r in rs if r.tokens),
         }
     return {"server": str(first.binary), "llm_gguf": str(first.model), "draft_gguf": cfg.draft_gguf,
+            "eagle3_gguf": cfg.eagle3_gguf,
             "ctx_size": first.ctx_size, "threads": first.threads, "methods": per_method}
 
 

@@ -326,6 +326,53 @@ class FeatureConfig:
 
 
 @dataclass
+class Eagle3Config:
+    """An EAGLE-3 head (``boosttune/core/eagle3_head.py``): the drafter llama.cpp (``--spec-type
+    draft-eagle3``), vLLM and SGLang load, trained after the feature heads on all training samples
+    (``boosttune/train/eagle3.py``) into ``RUN_DIR/eagle3``; `boosttune export` ships it in the
+    bundle, with a GGUF for llama.cpp.
+
+    Attributes:
+        enabled: train one.
+        layers: the three LLM layers whose inputs it fuses (empty: 2, n/2 and n - 3, EAGLE-3's choice).
+        minutes: wall-clock training budget (the first step past it is the last).
+        max_steps: stop after this many steps (0: the time budget alone).
+        depth: draft steps unrolled per training step (EAGLE-3's training-time test; 1: depth 1 only).
+        step_decay: step s's loss weight is ``step_decay ** s``.
+        batch_tokens: padded tokens per batch.
+        lr: AdamW learning rate (5 % warm-up, cosine to 10 %).
+        weight_decay: AdamW's decoupled weight decay.
+        draft_vocab: rows of its LM head: the run's most frequent teacher tokens (``d2t`` maps them).
+        prompt_weight: loss weight at prompt positions, relative to the answer's.
+    """
+
+    enabled: bool = False
+    layers: list[int] = field(default_factory=list)
+    minutes: float = 5.0
+    max_steps: int = 0
+    depth: int = 3
+    step_decay: float = 0.8
+    batch_tokens: int = 2048
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    draft_vocab: int = 8192
+    prompt_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.layers and len(self.layers) != 3:
+            raise ValueError(f"eagle3.layers must name 3 LLM layers (low, middle, high) or be empty, got {self.layers}")
+        if self.minutes < 0 or self.max_steps < 0 or (self.enabled and not self.minutes and not self.max_steps):
+            raise ValueError("eagle3.minutes / eagle3.max_steps must be >= 0 and not both 0")
+        if not 1 <= self.depth <= 8:
+            raise ValueError(f"eagle3.depth must be 1..8 draft steps, got {self.depth}")
+        if not 0 < self.step_decay <= 1:
+            raise ValueError(f"eagle3.step_decay must be in (0, 1], got {self.step_decay}")
+        if self.batch_tokens < 16 or self.lr <= 0 or self.draft_vocab < 1 or self.prompt_weight < 0 or self.weight_decay < 0:
+            raise ValueError("eagle3: batch_tokens >= 16, lr > 0, draft_vocab >= 1, prompt_weight >= 0 and "
+                             "weight_decay >= 0 are required")
+
+
+@dataclass
 class EvalConfig:
     enabled: bool = True
     """Measure τ and speed-up of every drafter (alone and merged) when training ends."""
@@ -502,6 +549,8 @@ class TrainConfig:
     boost: BoostConfig = field(default_factory=BoostConfig)
     feature: FeatureConfig = field(default_factory=FeatureConfig)
     """A feature head trained after the SSMs (off unless ``feature.enabled``)."""
+    eagle3: Eagle3Config = field(default_factory=Eagle3Config)
+    """An EAGLE-3 head trained after the feature heads (off unless ``eagle3.enabled``)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
     """Each SSM's tree: the τ evaluation drafts it (merged across SSMs for the ensemble), export writes it

@@ -5,6 +5,8 @@ Three peer methods, one `llama-server` process each (started on a free local por
 * ``llama``: llama-server alone (plain decoding with llama.cpp's own kernels).
 * ``llama_draft``: speculative decoding with a draft GGUF (``--model-draft``; `boosttune export RUN
   --format gguf` writes one for a trained SSM).
+* ``llama_eagle3``: speculative decoding with an EAGLE-3 head (``--spec-type draft-eagle3``; `boosttune
+  export RUN --format gguf` writes one for a run that trained it, ``eagle3.enabled``).
 * ``llama_ngram``: llama.cpp's self-speculation by n-gram lookup in the context (``--spec-type
   ngram-simple``: the newest n tokens are looked up in the history, the m tokens that followed are
   drafted; llama.cpp docs/speculative.md), the peer of prompt lookup.
@@ -37,6 +39,7 @@ PEER_METHODS: dict[str, str] = {
     "llama": "llama-server alone (plain decoding)",
     "llama_draft": "llama-server with --model-draft (the --draft-gguf SSM)",
     "llama_ngram": "llama-server with its n-gram self-speculation (--spec-type ngram-simple)",
+    "llama_eagle3": "llama-server with an EAGLE-3 head (--spec-type draft-eagle3, the --eagle3-gguf head)",
 }
 ENV_SERVER = "BOOSTTUNE_LLAMA_SERVER"
 BUILD_SCRIPT = "scripts/build_llama_server.sh"
@@ -110,12 +113,14 @@ def resolve_llm_gguf(llm_gguf: str | None, llm: str | None, bundle_llm: str | No
                      "give --llm-gguf PATH")
 
 
-def method_args(method: str, draft_gguf: Path | None, draft_max: int | None, lookup: int | None) -> list[str]:
+def method_args(method: str, draft_gguf: Path | None, draft_max: int | None, lookup: int | None,
+                eagle3_gguf: Path | None = None) -> list[str]:
     """llama-server flags that make ``method`` (flag names from llama.cpp's common/arg.cpp).
 
     Args:
         method: one of PEER_METHODS.
         draft_gguf: the draft model (llama_draft only).
+        eagle3_gguf: the EAGLE-3 head (llama_eagle3 only; `boosttune export RUN --format gguf` writes it).
         draft_max: the most tokens drafted per step (None: llama.cpp's default for llama_draft;
             ``lookup`` or NGRAM_DRAFT_DEFAULT for llama_ngram).
         lookup: bench's --prompt-lookup N, the n-gram draft length when ``draft_max`` is unset.
@@ -126,6 +131,11 @@ def method_args(method: str, draft_gguf: Path | None, draft_max: int | None, loo
         if draft_gguf is None:
             raise ValueError("--draft-gguf is required for the 'llama_draft' method")
         args = ["--model-draft", str(draft_gguf), "--spec-type", "draft-simple"]
+        return args + (["--spec-draft-n-max", str(draft_max)] if draft_max else [])
+    if method == "llama_eagle3":
+        if eagle3_gguf is None:
+            raise ValueError("--eagle3-gguf is required for the 'llama_eagle3' method")
+        args = ["--model-draft", str(eagle3_gguf), "--spec-type", "draft-eagle3"]
         return args + (["--spec-draft-n-max", str(draft_max)] if draft_max else [])
     if method == "llama_ngram":
         m = draft_max or lookup or NGRAM_DRAFT_DEFAULT

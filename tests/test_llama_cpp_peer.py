@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,3 +149,21 @@ def test_method_flags_name_llama_cpp_options():
     assert "--spec-ngram-simple-size-m" in method_args("llama_ngram", None, 4, None)
     with pytest.raises(ValueError, match="--draft-gguf"):
         method_args("llama_draft", None, None, None)
+    eagle3 = Path("eagle3.f16.gguf")
+    assert method_args("llama_eagle3", None, 4, None, eagle3) == [
+        "--model-draft", "eagle3.f16.gguf", "--spec-type", "draft-eagle3", "--spec-draft-n-max", "4"]
+    with pytest.raises(ValueError, match="--eagle3-gguf"):
+        method_args("llama_eagle3", None, None, None)
+
+
+def test_eagle3_method_and_its_gguf_come_together(tmp_path):
+    from boosttune.bench import BenchConfig
+
+    head = tmp_path / "eagle3.f16.gguf"
+    head.write_bytes(b"GGUF" + bytes(60))
+    base = {"questions": str(MT_BENCH), "out": str(tmp_path / "o"), "llm": "default", "llama_server": sys.executable}
+    with pytest.raises(ValueError, match="needs --eagle3-gguf"):
+        BenchConfig(**base, methods=("baseline", "llama_eagle3")).llama_paths()
+    with pytest.raises(ValueError, match="--eagle3-gguf is used by the 'llama_eagle3' method only"):
+        BenchConfig(**base, methods=("baseline", "llama"), eagle3_gguf=str(head)).llama_paths()
+    assert BenchConfig(**base, methods=("llama", "llama_eagle3"), eagle3_gguf=str(head)).llama_paths()[3] == head

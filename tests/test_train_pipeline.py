@@ -688,3 +688,35 @@ def test_the_readmes_path_from_a_run_to_a_request_works_as_written(tiny_run: Pat
         proc = subprocess.run(local(cmd), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         ok(proc)
     assert json.loads((tmp_path / "bench_out" / "demo" / "summary.json").read_text())
+
+
+def test_eagle3_head_trains_on_a_finished_run_and_exports_for_llama_cpp(tiny_run: Path, tmp_path: Path) -> None:
+    """``eagle3.enabled`` on a finished run trains only the EAGLE-3 head (the rest is reused), publishes it in
+    the Hugging Face EAGLE-3 layout, is not trained again by a rerun, and `export --format gguf` writes it
+    as llama.cpp's eagle3 architecture beside the SSMs."""
+    import gguf
+
+    from boosttune.core.eagle3_head import is_eagle3_dir
+    from boosttune.export.gguf import export_gguf
+
+    run = Path(shutil.copytree(tiny_run, tmp_path / "run"))
+    ssm_before = (run / "ssms" / "ssm-1" / "model.safetensors").stat().st_mtime_ns
+    args = ("eagle3.enabled=true", "eagle3.minutes=0", "eagle3.max_steps=3", "eagle3.layers=[0,1,1]",
+            "eagle3.batch_tokens=512")
+    ok(train(run, *args))
+    report = json.loads((run / "report.json").read_text())
+    e3 = report["eagle3"]
+    assert e3["train"]["steps"] == 3 and e3["samples"] == 48 and e3["held_out_samples"] == 12
+    assert e3["layers"] == [0, 1, 1] and 1.0 <= e3["held_out"]["tau"] <= 1 + e3["config"]["depth"]
+    assert len(e3["held_out"]["accept_rate"]) == 3 and e3["held_out"]["chains"] > 0
+    assert is_eagle3_dir(run / "eagle3") and (run / "eagle3" / "complete.json").is_file()
+    assert (run / "ssms" / "ssm-1" / "model.safetensors").stat().st_mtime_ns == ssm_before  # SSMs reused
+    before = (run / "eagle3" / "model.safetensors").stat().st_mtime_ns
+    ok(train(run, *args))
+    assert (run / "eagle3" / "model.safetensors").stat().st_mtime_ns == before
+    res = export_gguf(run, tmp_path / "gguf", gguf_type="f32")
+    written = json.loads((res.out / "export.json").read_text())
+    assert written["eagle3"] == "eagle3.f32.gguf"
+    reader = gguf.GGUFReader(res.out / "eagle3.f32.gguf")
+    assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == "eagle3"
+    assert {t.name for t in reader.tensors} >= {"fc.weight", "d2t", "blk.0.attn_q.weight", "output.weight"}

@@ -28,9 +28,9 @@ def add_commands(sub) -> dict:
     b.add_argument("--methods", default=None,
                    help="comma-separated subset of baseline (plain decoding through our LLM runner), hf_plain (plain "
                         "decoding through transformers' forward), hf_assisted, hf_lookup (needs --prompt-lookup), ours, "
-                        "and llama.cpp's llama (llama-server alone), llama_draft (with --draft-gguf), llama_ngram "
-                        "(its n-gram self-speculation) (default baseline,hf_assisted,ours; with --bundle, baseline,ours)")
-    g = b.add_argument_group("llama.cpp peer (methods llama, llama_draft, llama_ngram)")
+                        "and llama.cpp's llama (llama-server alone), llama_draft (with --draft-gguf), llama_eagle3 "
+                        "(with --eagle3-gguf), llama_ngram (its n-gram self-speculation) (default baseline,hf_assisted,ours; with --bundle, baseline,ours)")
+    g = b.add_argument_group("llama.cpp peer (methods llama, llama_draft, llama_eagle3, llama_ngram)")
     g.add_argument("--llama-server", default=None, metavar="PATH",
                    help="the llama-server binary (default: $BOOSTTUNE_LLAMA_SERVER, else where "
                         "scripts/build_llama_server.sh builds it)")
@@ -38,6 +38,9 @@ def add_commands(sub) -> dict:
                    help="the LLM as GGUF for llama.cpp (default: the default LLM's own Q4_1 GGUF; required for other LLMs)")
     g.add_argument("--draft-gguf", default=None, metavar="PATH",
                    help="llama_draft's draft model, a GGUF (`boosttune export RUN --format gguf`)")
+    g.add_argument("--eagle3-gguf", default=None, metavar="PATH",
+                   help="llama_eagle3's EAGLE-3 head, a GGUF (`boosttune export RUN --format gguf` writes "
+                        "eagle3.<type>.gguf for a run trained with eagle3.enabled)")
     g.add_argument("--llama-draft-max", type=int, default=None, metavar="N",
                    help="the most tokens llama.cpp drafts per step (default: llama.cpp's own for llama_draft; "
                         "--prompt-lookup N, else 8, for llama_ngram)")
@@ -54,7 +57,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         use_scheduler=not args.no_scheduler, limit=args.limit, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
         ssm_dtype=args.ssm_dtype, tree=tree_override(args), chat=not args.no_chat, draft_ranking=args.draft_ranking,
         prompt_lookup=args.prompt_lookup, methods=methods, llama_server=args.llama_server, llm_gguf=args.llm_gguf,
-        draft_gguf=args.draft_gguf, llama_draft_max=args.llama_draft_max, device=args.device,
+        draft_gguf=args.draft_gguf, eagle3_gguf=args.eagle3_gguf, llama_draft_max=args.llama_draft_max, device=args.device,
         compile=args.compile,
     )
     try:

@@ -121,7 +121,9 @@ def _export_gguf(args: argparse.Namespace) -> int:
 
     res = export_gguf(args.run_dir, args.out, gguf_type=args.gguf_type or GGUF_TYPES[0], llm_gguf=args.llm_gguf,
                       force=args.force)
-    names = ", ".join(p.name for p in res.files)
+    names = ", ".join(p.name for p in [*res.files, *([res.eagle3] if res.eagle3 else [])])
     print(f"gguf {res.out}: {names} ({res.total_bytes / 1e6:.1f} MB), tokenizer from {res.llm_gguf}; "
           f"use: llama-server -m LLM.gguf --model-draft {res.files[0]} --spec-type draft-simple")
+    if res.eagle3 is not None:
+        print(f"  EAGLE-3 head: llama-server -m LLM.gguf --model-draft {res.eagle3} --spec-type draft-eagle3")
     return 0

@@ -19,6 +19,9 @@ Layout (everything a run makes; resuming trusts only what is complete)::
       ssms/feature/               the feature head (core/feature_head.py), laid out as an SSM, plus
                                   feature_head.json and feature_fc.safetensors
       ssms/feature-K/             feature head K >= 2 (``feature.heads``), laid out the same way
+      eagle3/                     the EAGLE-3 head (``eagle3.enabled``, core/eagle3_head.py): config.json and
+                                  model.safetensors in the Hugging Face EAGLE-3 layout, eagle3_head.json,
+                                  the tokenizer, stats.json; complete.json written last
       report.json                 run report: llm, tree, teacher, one entry per stage, feature head,
                                   evaluation, scheduler; written when the run ends (and after each
                                   newly trained stage, so that a killed run lists the SSMs it finished)
@@ -39,6 +42,7 @@ Layout (everything a run makes; resuming trusts only what is complete)::
                  "match_rate": float, "ensemble_match_rate": float, "train_loss": float,
                  "union_coverage": float, "ssm_coverages": [float], ...}],
      "feature": {...} | null,
+     "eagle3": {...} | null,      the EAGLE-3 head's training and held-out chain figures
      "evaluation": {...} | null,
      "scheduler": {...}}          only when `boosttune train` fitted one: scheduler_report.json's content
 
@@ -217,6 +221,11 @@ class RunDir:
     def feature_dir(self) -> Path:
         """The run's feature head (``feature.enabled``), a model folder like an SSM's."""
         return self.root / "ssms" / FEATURE_NAME
+
+    @property
+    def eagle3_dir(self) -> Path:
+        """The run's EAGLE-3 head (``eagle3.enabled``)."""
+        return self.root / "eagle3"
 
     def feature_head_dir(self, k: int) -> Path:
         """Feature head ``k`` (1-based; head 1 is :attr:`feature_dir`)."""

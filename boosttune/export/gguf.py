@@ -1,4 +1,6 @@
-"""`boosttune export RUN_DIR --format gguf --out DIR`: each SSM as a llama.cpp GGUF draft model.
+"""`boosttune export RUN_DIR --format gguf --out DIR`: each SSM as a llama.cpp GGUF draft model, and the
+run's EAGLE-3 head (``eagle3.enabled``) as ``DIR/eagle3.<type>.gguf`` (llama.cpp's ``eagle3``
+architecture: :func:`write_eagle3_gguf`).
 
 ``DIR/<ssm name>.<type>.gguf`` is what ``llama-server -m LLM.gguf --model-draft SSM.gguf`` loads
 (recent llama.cpp also needs ``--spec-type draft-simple`` to speculate with it; its default is none).
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from boosttune.core.files import is_complete
 from boosttune.export.common import RunInfo, RunSSM, atomic_dir, check_out, read_run, tree_bytes, weight_files
 
 GGUF_TYPES = ("f16", "q8_0", "f32")
@@ -38,12 +41,14 @@ GGUF_TYPES = ("f16", "q8_0", "f32")
 
 @dataclass(frozen=True)
 class GGUFExportResult:
-    """What ``export_gguf`` wrote: the output directory, one GGUF file per SSM, total bytes."""
+    """What ``export_gguf`` wrote: the output directory, one GGUF file per SSM, total bytes, and the
+    EAGLE-3 head's GGUF (None: the run has none)."""
 
     out: Path
     files: list[Path]
     llm_gguf: Path
     total_bytes: int
+    eagle3: Path | None = None
 
 
 def gguf_file_name(ssm_name: str, gguf_type: str) -> str:
@@ -262,6 +267,98 @@ def write_ssm_gguf(ssm: RunSSM, info: RunInfo, tokenizer_fields: dict[str, GGUFF
     w.close()
 
 
+# ----------------------------------------------------------------------------------- EAGLE-3 head
+# An EAGLE-3 head (``boosttune/core/eagle3_head.py``) as a GGUF in llama.cpp's ``eagle3`` architecture.
+#
+# ``llama-server -m LLM.gguf --model-draft eagle3.f16.gguf --spec-type draft-eagle3`` loads it. What
+# llama.cpp reads (``src/models/eagle3.cpp`` and ``src/llama-arch.cpp`` of the llama.cpp that
+# ``scripts/build_llama_server.sh`` builds; its converter, ``conversion/llama.py``, writes the same from
+# a Hugging Face checkpoint):
+#
+# - ``eagle3.target_layers`` (three LLM layers whose *inputs* it reads), ``eagle3.target_hidden_size``,
+#   ``eagle3.norm_before_residual`` and ``eagle3.norm_before_fc`` (both false for our heads), beside the
+#   usual llama hyperparameters under ``eagle3.*``;
+# - ``fc.weight``; one block ``blk.0.*`` whose ``attn_norm`` normalises the token embedding and
+#   ``attn_norm_2`` the fused state, q/k/v of width 2H (reordered to GGML's rotary layout as for any
+#   llama); ``output_norm``, ``output`` (the draft vocabulary's K rows) and ``d2t``: (K,) int64 absolute
+#   LLM token ids (the converter adds the row index to the checkpoint's offsets; so do we);
+# - no ``token_embd``: llama.cpp then embeds with the LLM's;
+# - the tokenizer metadata copied from the LLM's GGUF, as for SSM drafts.
+
+EAGLE3_ARCH = "eagle3"
+"""llama.cpp's architecture name for EAGLE-3 drafts."""
+
+
+def eagle3_gguf_names(heads: int, kv_heads: int) -> dict[str, tuple[str, int | None]]:
+    """HF EAGLE-3 tensor name → (GGUF name, heads to reorder rows for, or None)."""
+    names = {"fc.weight": ("fc.weight", None), "norm.weight": ("output_norm.weight", None),
+             "lm_head.weight": ("output.weight", None)}
+    layer = {"input_layernorm": "attn_norm", "hidden_norm": "attn_norm_2", "post_attention_layernorm": "ffn_norm",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    names |= {f"midlayer.{k}.weight": (f"blk.0.{v}.weight", None) for k, v in layer.items()}
+    names["midlayer.self_attn.q_proj.weight"] = ("blk.0.attn_q.weight", heads)
+    names["midlayer.self_attn.k_proj.weight"] = ("blk.0.attn_k.weight", kv_heads)
+    return names
+
+
+def write_eagle3_gguf(head_dir: Path, llm_ref: str, tokenizer_fields: dict[str, GGUFField], path: Path,
+                      gguf_type: str = "f16") -> None:
+    """Write the EAGLE-3 head saved in ``head_dir`` as an ``eagle3`` GGUF at ``path``."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    from boosttune.core.eagle3_head import SPEC_FILE, WEIGHTS_FILE
+
+    file_type, qtype = _types(gguf_type)
+    spec = json.loads((head_dir / SPEC_FILE).read_text())["spec"]
+    n_tokens = len(tokenizer_fields["tokenizer.ggml.tokens"].value)
+    if spec["vocab"] != n_tokens:
+        raise ValueError(f"EAGLE-3 head {head_dir}: made for a {spec['vocab']}-token LLM, the LLM's GGUF has {n_tokens} "
+                         "tokens; pass --llm-gguf with the GGUF of the LLM this run trained against")
+    weights = load_file(str(head_dir / WEIGHTS_FILE))
+    offsets = weights.pop("d2t").astype(np.int64)
+    weights.pop("t2d", None)
+    names = eagle3_gguf_names(spec["heads"], spec["kv_heads"])
+    if set(weights) != set(names):
+        raise ValueError(f"EAGLE-3 head {head_dir}: tensors {sorted(set(weights) ^ set(names))[:4]} differ from the layout")
+
+    w = gguf.GGUFWriter(path, EAGLE3_ARCH)
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_name(f"eagle3 (boosttune EAGLE-3 draft head for {llm_ref})")
+    w.add_description(f"boosttune EAGLE-3 head, a speculative-decoding draft for {llm_ref} (llama.cpp --spec-type draft-eagle3)")
+    w.add_block_count(1)
+    w.add_context_length(int(spec["max_positions"]))
+    w.add_embedding_length(int(spec["hidden"]))
+    w.add_feed_forward_length(int(spec["intermediate"]))
+    w.add_head_count(int(spec["heads"]))
+    w.add_head_count_kv(int(spec["kv_heads"]))
+    w.add_key_length(int(spec["head_dim"]))
+    w.add_value_length(int(spec["head_dim"]))
+    w.add_rope_dimension_count(int(spec["head_dim"]))
+    w.add_rope_freq_base(float(spec["rope_theta"]))
+    w.add_layer_norm_rms_eps(float(spec["rms_eps"]))
+    w.add_vocab_size(n_tokens)
+    w.add_array(f"{EAGLE3_ARCH}.target_layers", [int(x) for x in spec["layers"]])
+    w.add_uint32(f"{EAGLE3_ARCH}.target_hidden_size", int(spec["target_hidden"]))
+    w.add_bool(f"{EAGLE3_ARCH}.norm_before_residual", False)
+    w.add_bool(f"{EAGLE3_ARCH}.norm_before_fc", False)
+    w.add_file_type(file_type)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    add_fields(w, tokenizer_fields)
+    for key, data in sorted(weights.items()):
+        name, heads = names[key]
+        data = np.ascontiguousarray(rope_to_ggml(data, heads) if heads else data, dtype=np.float32)
+        q, got = _quantize(data, qtype) if data.ndim == 2 else (data, gguf.GGMLQuantizationType.F32)
+        w.add_tensor(name, q, raw_dtype=got)
+    d2t = offsets + np.arange(len(offsets), dtype=np.int64)  # absolute LLM ids, as llama.cpp's converter writes
+    w.add_tensor("d2t", d2t, raw_dtype=gguf.GGMLQuantizationType.I64)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def export_gguf(run_dir: str | Path, out: str | Path, gguf_type: str = "f16", llm_gguf: str | Path | None = None,
                 force: bool = False) -> GGUFExportResult:
     """Write every complete SSM of a run as ``out/<ssm name>.<type>.gguf``.
@@ -296,13 +393,18 @@ def export_gguf(run_dir: str | Path, out: str | Path, gguf_type: str = "f16", ll
                          "pass the GGUF llama.cpp serves the LLM from")
     check_tokenizer_matches(fields["tokenizer.ggml.tokens"].value, info.llm_dir, source,
                             flag if llm_gguf is not None else "the default LLM's GGUF")
+    eagle3 = info.run.eagle3_dir if is_complete(info.run.eagle3_dir) else None
     with atomic_dir(out) as tmp:
         for ssm in info.ssms:
             write_ssm_gguf(ssm, info, fields, tmp / gguf_file_name(ssm.name, gguf_type), gguf_type)
+        if eagle3 is not None:
+            write_eagle3_gguf(eagle3, info.llm_ref, fields, tmp / gguf_file_name(eagle3.name, gguf_type), gguf_type)
         (tmp / "export.json").write_text(json.dumps({
             "format": "gguf", "gguf_type": gguf_type, "llm": info.llm_ref, "llm_gguf": str(Path(source).resolve()),
             "source_run": str(info.run.root.resolve()),
             "ssms": {s.name: gguf_file_name(s.name, gguf_type) for s in info.ssms},
+            "eagle3": gguf_file_name(eagle3.name, gguf_type) if eagle3 is not None else None,
         }, indent=2) + "\n")
     return GGUFExportResult(out=out, files=[out / gguf_file_name(s.name, gguf_type) for s in info.ssms],
-                            llm_gguf=Path(source), total_bytes=tree_bytes(out))
+                            llm_gguf=Path(source), total_bytes=tree_bytes(out),
+                            eagle3=out / gguf_file_name(eagle3.name, gguf_type) if eagle3 is not None else None)

@@ -27,8 +27,6 @@ layers and the final norm train.
 from __future__ import annotations
 
 import contextlib
-import math
-import time
 import typing
 from collections.abc import Callable, Sequence
 
@@ -40,6 +38,7 @@ from transformers import DynamicCache, PreTrainedModel
 from boosttune.config import FeatureConfig, FeatureLoss, SSMInitConfig
 from boosttune.core.feature_head import FC_ATTR, new_fc, pair_inputs, second_step, teacher_forced_ranks
 from boosttune.serving.runner import cache_keyword
+from boosttune.train.budget import train_for
 from boosttune.train.distill import Sample, total_variation
 from boosttune.train.ssm_init import derive_ssm
 
@@ -71,23 +70,6 @@ def build_head(llm: PreTrainedModel, layers: Sequence[int]) -> PreTrainedModel:
     setattr(head, FC_ATTR, new_fc(llm.config.hidden_size))
     head.get_input_embeddings().weight.requires_grad_(False)
     return head.train()
-
-
-def _batches(lengths: Sequence[int], batch_tokens: int, gen: torch.Generator) -> list[list[int]]:
-    """Sample indices per batch: length-sorted, cut at ``batch_tokens`` padded tokens, shuffled."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches, cur, longest = [], [], 0
-    for i in order:
-        longest_if = max(longest, lengths[i])
-        if cur and longest_if * (len(cur) + 1) > batch_tokens:
-            batches.append(cur)
-            cur, longest_if = [], lengths[i]
-        cur.append(i)
-        longest = longest_if
-    if cur:
-        batches.append(cur)
-    perm = torch.randperm(len(batches), generator=gen).tolist()
-    return [batches[i] for i in perm]
 
 
 LOSSES = typing.get_args(FeatureLoss)
@@ -204,35 +186,14 @@ def train_head(
     on_step: Callable[[int, dict], None] | None = None, seed: int = 0, autocast: torch.dtype | None = None,
     weights: Sequence[Tensor] | None = None,
 ) -> dict:
-    """AdamW on the head until ``cfg.minutes`` or ``cfg.max_steps``; returns training statistics.
-    ``weights``: per sample, each pair's classification weight (boosting: :func:`pair_weights`).
+    """AdamW on the head until ``cfg.minutes`` or ``cfg.max_steps`` (``train/budget.py``); returns training
+    statistics. ``weights``: per sample, each pair's classification weight (boosting: :func:`pair_weights`).
     ``autocast``: the forward's mixed-precision dtype (bf16 on CPUs with native bf16 took twice the
     steps per minute of fp32: 188 against 97 in one minute, AVX512-BF16 EPYC, 2 threads); the weights,
     gradients and optimiser stay fp32."""
-    gen = torch.Generator().manual_seed(seed)
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    budget_s = cfg.minutes * 60
-    # the schedule needs a length: estimate it from the first steps' speed when only time bounds it
-    total = cfg.max_steps or 0
-    lengths = [len(s.ids) for s in samples]
-    order: list[list[int]] = []
-    step, tokens, t0 = 0, 0, time.perf_counter()
-    last: dict = {}
-    while True:
-        elapsed = time.perf_counter() - t0
-        if (cfg.max_steps and step >= cfg.max_steps) or (cfg.minutes and elapsed >= budget_s):
-            break
-        if not order:
-            order = _batches(lengths, cfg.batch_tokens, gen)
-        idx = order.pop()
-        if not total and step == 8:
-            total = max(16, int(budget_s / (elapsed / 8)))
-        horizon = total or 10**6
-        warm = max(1, horizon // 20)
-        scale = (step + 1) / warm if step < warm else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / horizon)))
-        for g in opt.param_groups:
-            g["lr"] = cfg.lr * scale
+    gen = torch.Generator().manual_seed(seed)  # the input noise's
+
+    def step_losses(idx: list[int], step: int) -> tuple[Tensor, dict]:
         amp = torch.autocast(head.device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
         with amp:
             losses = head_losses(head, [samples[i] for i in idx], [feats[i] for i in idx], rows, cfg.noise, gen,
@@ -242,19 +203,12 @@ def train_head(
         loss = cfg.reg_weight * losses["reg"] + cfg.ce_weight * losses["ce"]
         if "ce2" in losses:
             loss = loss + cfg.depth2_weight * (cfg.reg_weight * losses["reg2"] + cfg.ce_weight * losses["ce2"])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        tokens += sum(lengths[i] for i in idx)
-        last |= {k: float(v.detach()) for k, v in losses.items()}  # top-1: as last measured
-        if on_step is not None:
-            on_step(step, last)
-    seconds = time.perf_counter() - t0
-    return {"steps": step, "tokens": tokens, "seconds": round(seconds, 1),
-            "precision": str(autocast).removeprefix("torch.") if autocast is not None else "float32",
-            "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "last": last}
+        return loss, losses  # top-1: as last measured
+
+    return train_for([p for p in head.parameters() if p.requires_grad], [len(s.ids) for s in samples],
+                     minutes=cfg.minutes, max_steps=cfg.max_steps, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                     batch_tokens=cfg.batch_tokens, step_losses=step_losses, on_step=on_step, seed=seed,
+                     precision=str(autocast).removeprefix("torch.") if autocast is not None else "float32")
 
 
 @torch.no_grad()

@@ -81,7 +81,7 @@ from boosttune.train.teacher.shards import load_features, load_teacher, remove_s
 # Fields that may differ when a run is resumed (how it runs, not what it computes).
 _RESUMABLE_CHANGES = ("optim.devices", "optim.num_nodes", "optim.accelerator", "optim.strategy", "optim.logger",
                       "optim.checkpoint_every", "optim.max_minutes", "llm.device", "eval.", "tree.", "scheduler.",
-                      "teacher.endpoint", "teacher.concurrency", "teacher.api_key_env", "feature.")
+                      "teacher.endpoint", "teacher.concurrency", "teacher.api_key_env", "feature.", "eagle3.")
 # Teacher fields that say where and how the continuations are asked for, not what they are.
 _TEACHER_HOW = ("teacher.reuse_from", "teacher.endpoint", "teacher.concurrency", "teacher.api_key_env")
 PROFILE_DEPTHS = 8
@@ -772,6 +772,62 @@ def train_feature_head(cfg: TrainConfig, run: RunDir, k: int, d: HeadData, llm: 
     return summary, head
 
 
+def finished_eagle3(cfg: TrainConfig, run: RunDir) -> dict | None:
+    """The run's EAGLE-3 head's statistics if it was trained with the ``eagle3:`` settings of ``cfg``."""
+    stats_file = run.eagle3_dir / "stats.json"
+    if not is_complete(run.eagle3_dir) or not stats_file.is_file():
+        return None
+    stats = json.loads(stats_file.read_text())
+    return stats if stats.get("config") == json.loads(json.dumps(asdict(cfg.eagle3))) else None
+
+
+def eagle3_phase(cfg: TrainConfig, run: RunDir, data: TeacherData, llm: RunLLM) -> dict | None:
+    """Rank 0 trains the EAGLE-3 head (``eagle3.enabled``) on every training sample, from the fp32 LLM's
+    layer inputs over them (one forward each), measures its greedy chains on the held-out samples and
+    publishes it in ``run.eagle3_dir``; its statistics (None: disabled, or another rank). A head trained
+    with the same settings is not trained again; a killed one starts over (minutes long)."""
+    if not cfg.eagle3.enabled or not dist.is_main():
+        return None
+    done = finished_eagle3(cfg, run)
+    if done is not None:
+        return done
+    from boosttune.core.eagle3_head import Eagle3Spec
+    from boosttune.core.progress import progress
+    from boosttune.serving.draft_vocab import head_ids, load_ranking
+    from boosttune.train.eagle3 import evaluate_eagle3, init_head, layer_features, train_eagle3
+    from boosttune.train.stage import precision
+
+    ec = cfg.eagle3
+    loaded = llm.get(torch.float32, _device(cfg))
+    model = loaded.model
+    vocab = model.get_output_embeddings().weight.shape[0]
+    rows = head_ids(load_ranking(run.draft_vocab_path), ec.draft_vocab, vocab)
+    spec = Eagle3Spec.from_llm(model.config, len(rows), tuple(ec.layers) if ec.layers else None)
+    t0 = time.perf_counter()
+    every = data.train + data.held
+    with progress(total=len(every), desc="LLM layer inputs", unit="sample") as bar:
+        feats = layer_features(model, every, spec.layers, bar.update)
+    feature_seconds = round(time.perf_counter() - t0, 1)
+    train_f, held_f = feats[: len(data.train)], feats[len(data.train):]
+    head = init_head(model, spec, rows).to(model.device)
+    w = model.get_output_embeddings().weight.detach().float()[rows.to(model.device)]
+    before = evaluate_eagle3(head, data.held, held_f, ec.depth)
+    with progress(total=None, desc="eagle3", unit="step") as bar:
+        amp = torch.bfloat16 if precision(cfg).startswith("bf16") else None  # as the feature heads train
+        stats = train_eagle3(head, data.train, train_f, w, ec, on_step=lambda step, losses: bar.update(1),
+                             seed=cfg.optim.seed, autocast=amp)
+    after = evaluate_eagle3(head, data.held, held_f, ec.depth)
+    summary = {"config": json.loads(json.dumps(asdict(ec))), "layers": list(spec.layers), "draft_vocab": spec.draft_vocab,
+               "feature_seconds": feature_seconds, "train": stats, "held_out_before": before, "held_out": after,
+               "samples": len(data.train), "held_out_samples": len(data.held)}
+    _log(f"eagle3: {stats['steps']} steps in {stats['seconds']:.0f} s, held-out chain tau {before['tau']:.3f} -> "
+         f"{after['tau']:.3f} (depth {ec.depth}; layer inputs {feature_seconds:.0f} s)")
+    head = head.to(torch.float32).eval()
+    _publish_model(head, data.tokenizer, run.eagle3_dir, {"eagle3": True}, stats=summary,
+                   save=lambda tmp: head.save(tmp, {"llm_ref": cfg.llm.ref}))
+    return summary
+
+
 def heads_summary(summaries: list[dict], k: int) -> dict:
     """The report's ``feature`` entry: the first head's statistics, the heads' held-out top-``k``
     coverage and their union's (where every head recorded its held-out ranks) and, with more than one
@@ -887,7 +943,7 @@ def scheduler_phase(cfg: TrainConfig, run: RunDir, stages: list[dict], llm: RunL
 
 
 def write_report(cfg: TrainConfig, run: RunDir, data: TeacherData, stages: list[dict], feature: dict | None = None,
-                 evaluation: dict | None = None, scheduler: dict | None = None) -> dict:
+                 evaluation: dict | None = None, scheduler: dict | None = None, eagle3: dict | None = None) -> dict:
     """The run's report (rank 0 writes it, unless the file holds it already); ``scheduler`` only when the
     run fitted one."""
     report = {
@@ -899,6 +955,7 @@ def write_report(cfg: TrainConfig, run: RunDir, data: TeacherData, stages: list[
         "teacher": data.teacher,
         "stages": stages,
         "feature": feature,
+        "eagle3": eagle3,
         "evaluation": evaluation,
     }
     if scheduler is not None:
@@ -944,11 +1001,12 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
         forget_results(cfg, run)
     stages = boost_phase(cfg, run, data, init_dir)
     feature = feature_phase(cfg, run, data, llm)
+    eagle3 = eagle3_phase(cfg, run, data, llm)
     dist.barrier()
     evaluation = evaluation_phase(cfg, run, data, stages, llm, trained)
     dist.barrier()  # the other ranks are done (the scheduler is rank 0's alone)
     scheduler = scheduler_phase(cfg, run, stages, llm, trained)
     llm.release()
-    report = write_report(cfg, run, data, stages, feature, evaluation, scheduler)
+    report = write_report(cfg, run, data, stages, feature, evaluation, scheduler, eagle3)
     _log(f"done in {time.perf_counter() - t_start:.0f} s; report: {run.report_path}")
     return report
