@@ -334,7 +334,8 @@ class Eagle3Config:
 
     Attributes:
         enabled: train one.
-        layers: the three LLM layers whose inputs it fuses (empty: 2, n/2 and n - 3, EAGLE-3's choice).
+        layers: the three LLM layers whose inputs it fuses (empty: 2, n/2 and n - 1; EAGLE-3's code reads
+            2, n/2 and n - 3, which held-out chains on the demo run liked less: core/eagle3_head.py).
         minutes: wall-clock training budget (the first step past it is the last).
         max_steps: stop after this many steps (0: the time budget alone).
         depth: draft steps unrolled per training step (EAGLE-3's training-time test; 1: depth 1 only).

@@ -167,3 +167,13 @@ def test_eagle3_method_and_its_gguf_come_together(tmp_path):
     with pytest.raises(ValueError, match="--eagle3-gguf is used by the 'llama_eagle3' method only"):
         BenchConfig(**base, methods=("baseline", "llama"), eagle3_gguf=str(head)).llama_paths()
     assert BenchConfig(**base, methods=("llama", "llama_eagle3"), eagle3_gguf=str(head)).llama_paths()[3] == head
+
+
+@needs_binary
+def test_forward_cost_script_prints_one_row_per_size(capsys):
+    from conftest import load_script
+
+    script = load_script("llama_forward_cost")
+    assert script.main([str(default_gguf_path()), "--tokens", "1,3", "--repeats", "1", "--llama-server", str(BINARY)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[3:]]
+    assert [r[1] for r in rows] == ["1", "3"] and rows[0][3] == "1.00" and float(rows[1][2]) > 0

@@ -692,12 +692,13 @@ def test_the_readmes_path_from_a_run_to_a_request_works_as_written(tiny_run: Pat
 
 def test_eagle3_head_trains_on_a_finished_run_and_exports_for_llama_cpp(tiny_run: Path, tmp_path: Path) -> None:
     """``eagle3.enabled`` on a finished run trains only the EAGLE-3 head (the rest is reused), publishes it in
-    the Hugging Face EAGLE-3 layout, is not trained again by a rerun, and `export --format gguf` writes it
-    as llama.cpp's eagle3 architecture beside the SSMs."""
+    the Hugging Face EAGLE-3 layout, is not trained again by a rerun; `export --format hf` copies that folder
+    and `export --format gguf` writes it as llama.cpp's eagle3 architecture, beside the SSMs."""
     import gguf
 
     from boosttune.core.eagle3_head import is_eagle3_dir
     from boosttune.export.gguf import export_gguf
+    from boosttune.export.hf import export_hf
 
     run = Path(shutil.copytree(tiny_run, tmp_path / "run"))
     ssm_before = (run / "ssms" / "ssm-1" / "model.safetensors").stat().st_mtime_ns
@@ -714,6 +715,10 @@ def test_eagle3_head_trains_on_a_finished_run_and_exports_for_llama_cpp(tiny_run
     before = (run / "eagle3" / "model.safetensors").stat().st_mtime_ns
     ok(train(run, *args))
     assert (run / "eagle3" / "model.safetensors").stat().st_mtime_ns == before
+    hf = export_hf(run, tmp_path / "hf")
+    assert hf.eagle3 == tmp_path / "hf" / "eagle3" and is_eagle3_dir(hf.eagle3)
+    assert json.loads((hf.eagle3 / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert (hf.eagle3 / "tokenizer.json").is_file()
     res = export_gguf(run, tmp_path / "gguf", gguf_type="f32")
     written = json.loads((res.out / "export.json").read_text())
     assert written["eagle3"] == "eagle3.f32.gguf"

@@ -113,6 +113,8 @@ def _export_hf(args: argparse.Namespace) -> int:
     print(f"hf {res.out}: {len(res.models)} model folders ({names}), {res.total_bytes / 1e6:.1f} MB; "
           f"each loads with AutoModelForCausalLM.from_pretrained and its README.md shows vLLM, SGLang and "
           f"transformers draft use")
+    if res.eagle3 is not None:
+        print(f"  EAGLE-3 head: {res.eagle3} (the Hugging Face EAGLE-3 layout that vLLM and SGLang load)")
     return 0
 
 

@@ -16,6 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from boosttune.core.files import is_complete
 from boosttune.export.common import RunInfo, RunSSM, atomic_dir, check_out, read_run, tree_bytes, weight_files
 
 README = "README.md"
@@ -24,11 +25,13 @@ _GEN_CONFIG = "generation_config.json"
 
 @dataclass(frozen=True)
 class HFExportResult:
-    """What ``export_hf`` wrote: the output directory, one model folder per SSM, total bytes."""
+    """What ``export_hf`` wrote: the output directory, one model folder per SSM, total bytes, and the
+    EAGLE-3 head's folder (None: the run has none)."""
 
     out: Path
     models: list[Path]
     total_bytes: int
+    eagle3: Path | None = None
 
 
 def _llm_vocab_size(llm_dir: Path) -> int:
@@ -161,7 +164,8 @@ llama.cpp speculates only when `--spec-type` asks; older builds, without that fl
 
 
 def export_hf(run_dir: str | Path, out: str | Path, force: bool = False) -> HFExportResult:
-    """Write every complete SSM of a run as a Hugging Face model folder ``out/<ssm name>/``.
+    """Write every complete SSM of a run as a Hugging Face model folder ``out/<ssm name>/``, and the run's
+    EAGLE-3 head (``eagle3.enabled``) as ``out/eagle3/``.
 
     Args:
         run_dir: a `boosttune train` run directory (report.json and at least one complete SSM).
@@ -170,11 +174,14 @@ def export_hf(run_dir: str | Path, out: str | Path, force: bool = False) -> HFEx
     """
     from transformers import AutoTokenizer
 
+    from boosttune.core.eagle3_head import SPEC_FILE, WEIGHTS_FILE
+
     info = read_run(run_dir)
     out = Path(out)
     check_out(out, info.run, force)
     vocab_size = _llm_vocab_size(info.llm_dir)
     tokenizer = AutoTokenizer.from_pretrained(info.llm_dir)
+    eagle3 = info.run.eagle3_dir if is_complete(info.run.eagle3_dir) else None
     with atomic_dir(out) as tmp:
         for ssm in info.ssms:
             dest = tmp / ssm.name
@@ -187,4 +194,11 @@ def export_hf(run_dir: str | Path, out: str | Path, force: bool = False) -> HFEx
             tokenizer.save_pretrained(dest)
             facts = _verify(dest, vocab_size)
             (dest / README).write_text(model_card(info, ssm, facts))
-    return HFExportResult(out=out, models=[out / s.name for s in info.ssms], total_bytes=tree_bytes(out))
+        if eagle3 is not None:  # already in the HF EAGLE-3 layout (core/eagle3_head.py): vLLM's and SGLang's
+            dest = tmp / eagle3.name
+            dest.mkdir()
+            for name in ["config.json", WEIGHTS_FILE, SPEC_FILE]:
+                shutil.copyfile(eagle3 / name, dest / name)
+            tokenizer.save_pretrained(dest)
+    return HFExportResult(out=out, models=[out / s.name for s in info.ssms], total_bytes=tree_bytes(out),
+                          eagle3=out / eagle3.name if eagle3 is not None else None)

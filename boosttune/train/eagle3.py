@@ -144,10 +144,10 @@ def ttt_losses(head: Eagle3Head, batch: Batch, w: Tensor, depth: int, step_decay
     dev = head.fc.weight.device
     states = head.unroll(batch.aux.to(dev), batch.tokens.to(dev), depth)
     weight_all = (torch.where(batch.answer, 1.0, prompt_weight) * batch.valid).to(dev)  # (B, n + 1)
-    with torch.no_grad():  # p at every scored position once: step s reads it s positions further on
+    with torch.no_grad(), torch.autocast(dev.type, enabled=False):  # p at every scored position once, in fp32
         p_all = torch.zeros(*weight_all.shape, w.shape[0], device=dev)  # (B, n + 1, K)
         used = weight_all > 0
-        p_all[used] = torch.softmax(batch.final.to(dev)[used].float() @ w.T.float(), -1)
+        p_all[used] = torch.softmax(batch.final.to(dev)[used].float() @ w.T.float(), -1)  # step s reads it s positions on
     out: dict[str, Tensor] = {}
     total = torch.zeros((), device=dev)
     for s, st in enumerate(states):
