@@ -79,6 +79,8 @@ def collect(run: RunDir) -> RunState:
     report["stages"] = stages
     if report.get("feature") is None:
         report["feature"] = _feature_from_heads(run)
+    if report.get("eagle3") is None and is_complete(run.eagle3_dir):  # trained after the report was written
+        report["eagle3"] = _json(run.eagle3_dir / "stats.json")
     report.setdefault("evaluation", None)
     if "scheduler" not in report and is_complete(run.scheduler_dir):  # fitted by `boosttune train-scheduler`
         scheduler = _json(run.scheduler_report)
@@ -111,6 +113,8 @@ def _pending(report: dict, config: TrainConfig | None) -> tuple[str, ...] | None
     heads = len(feature.get("heads") or [feature]) if feature else 0
     if config.feature.enabled and heads < config.feature.heads:
         out.append("the feature heads" if config.feature.heads > 1 else "the feature head")
+    if config.eagle3.enabled and not report.get("eagle3"):
+        out.append("the EAGLE-3 head")
     if config.eval.enabled and report.get("evaluation") is None:
         out.append("the evaluation")
     if config.scheduler.prompts and "scheduler" not in report:
@@ -181,6 +185,17 @@ def _feature_lines(feature: dict | None) -> list[str]:
     if feature.get("union_coverage") is not None:
         line += f"; union top-{feature.get('coverage_k', '?')} coverage {_num(feature['union_coverage'])}"
     return [line]
+
+
+def _eagle3_lines(eagle3: dict | None) -> list[str]:
+    if not eagle3:
+        return []
+    held = eagle3.get("held_out") or {}
+    rates = held.get("accept_rate") or [None]
+    layers = ", ".join(str(x) for x in eagle3.get("layers") or []) or "?"
+    return [f"EAGLE-3 head: LLM layers {layers}, {_num((eagle3.get('train') or {}).get('steps'), 'd')} steps, held-out "
+            f"chains of {held.get('depth', '?')}: τ {_num(held.get('tau'))}, first draft right {_num(rates[0])} "
+            "(export --format gguf / hf for llama.cpp, vLLM, SGLang)"]
 
 
 def _evaluation_lines(evaluation: dict | None, pending: Sequence[str] | None) -> list[str]:
@@ -264,6 +279,7 @@ def summary_lines(state: RunState) -> list[str]:
                  else "prompts: not made yet")
     lines += _stage_lines(r["stages"])
     lines += _feature_lines(r.get("feature"))
+    lines += _eagle3_lines(r.get("eagle3"))
     lines += _evaluation_lines(r.get("evaluation"), state.pending)
     lines += _scheduler_lines(r.get("scheduler"))
     lines += ["next:", *(f"  {c}" for c in next_commands(state))]

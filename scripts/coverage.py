@@ -10,7 +10,8 @@ forced, as the scheduler's replay does (an SSM: one forward over prompt + answer
 feature head: the LLM's features and the next token, ``teacher_forced_ranks``); a position is covered
 when the LLM's token ranks below ``--top`` among the drafter's logits over its draft vocabulary (the
 bundle's trees' ``draft_vocab``, else the run's tree's). Drafters without a model (prompt lookup) are
-left out.
+left out. A run's EAGLE-3 head (``RUN/eagle3``, ``eagle3.enabled``) is scored too, at its first draft
+step over its own draft vocabulary, from the LLM's layer inputs (``eagle3_ranks``).
 
 The LLM writes its greedy answers (fp32) to the questions' first turns, or ``--answers`` reads them from
 a `boosttune bench` output (``DIR/<method>.jsonl``, matched by ``question_id``; the answer text is
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from boosttune.core.feature_head import teacher_forced_ranks
+from boosttune.core.files import is_complete
 from boosttune.core.models import LoadedModel, eos_token_ids, load_model, load_ssms, model_vocab_size
 from boosttune.core.prompts import Prompt, encode_prompt, read_prompts
 from boosttune.core.rundir import RunDir
@@ -126,6 +128,22 @@ def drafter_ranks(model: LoadedModel, answers, rows: torch.Tensor | None) -> lis
     return out
 
 
+@torch.inference_mode()
+def eagle3_answer_ranks(llm: LoadedModel, head_dir: Path, answers) -> list[np.ndarray]:
+    """(len_a,) ranks of each answer's tokens under a run's EAGLE-3 head at its first draft step."""
+    from boosttune.core.eagle3_head import load_head
+    from boosttune.train.distill import Sample
+    from boosttune.train.eagle3 import eagle3_ranks, layer_features
+
+    head = load_head(head_dir, llm.model.get_input_embeddings().weight).eval()
+    out = []
+    for prompt, tokens, _ in answers:
+        ids = prompt + tokens
+        aux = layer_features(llm.model, [Sample(ids=ids, prompt_len=len(prompt))], head.spec.layers)[0].aux
+        out.append(eagle3_ranks(head, aux.float(), ids, len(prompt)).numpy().astype(np.int64))
+    return out
+
+
 def format_table(names: list[str], table: dict[str, dict]) -> str:
     """A markdown table: per category, a row per drafter and one for their union."""
     k = table["all"]["k"]
@@ -164,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     categories = [questions[i].category for i in keep]
     ranks = [drafter_ranks(m, answers, rows) for _, m, rows in drafters]
     names = [n for n, _, _ in drafters]
+    if not (args.source / "manifest.json").is_file() and is_complete(RunDir(args.source).eagle3_dir):
+        names.append("eagle3")
+        ranks.append(eagle3_answer_ranks(llm, RunDir(args.source).eagle3_dir, answers))
     table = coverage_by_category(ranks, categories, k)
     print(f"{len(answers)} answers, {table['all']['tokens']} tokens, {len(names)} drafters, top-{k}")
     print(format_table(names, table))

@@ -169,3 +169,34 @@ def test_ablation_variants_share_the_run_but_not_its_heads_or_scheduler(tmp_path
                                                                      "train": {"steps": 400}}))
     assert script.reusable_single(src, 5.0, 0) and script.reusable_single(src, 0, 400)
     assert not script.reusable_single(src, 2.5, 0) and not script.reusable_single(src, 0, 200)
+
+
+def test_coverage_script_scores_a_runs_eagle3_head(tmp_path, capsys) -> None:
+    """A run with an EAGLE-3 head (here untrained, from the tiny LLM's layers): the table gains an
+    ``eagle3`` row beside the SSMs."""
+    import json
+
+    from bundle_fixtures import make_run_dir
+    from conftest import MT_BENCH
+
+    from boosttune.core.eagle3_head import Eagle3Spec
+    from boosttune.core.files import mark_complete
+    from boosttune.core.models import load_model
+    from boosttune.core.rundir import RunDir
+    from boosttune.train.eagle3 import init_head
+
+    torch.set_num_threads(1)
+    run = make_run_dir(tmp_path / "run", n_ssms=1, scheduler=False)
+    llm = load_model(json.loads((run / "report.json").read_text())["llm"]["ref"])
+    n = llm.model.config.num_hidden_layers
+    spec = Eagle3Spec.from_llm(llm.model.config, 32, (0, n - 1, n - 1))
+    init_head(llm.model, spec, torch.arange(32)).save(RunDir(run).eagle3_dir)
+    mark_complete(RunDir(run).eagle3_dir)
+    out = tmp_path / "cov.json"
+    assert _coverage_script().main([str(run), "--questions", str(MT_BENCH), "--limit", "2", "--max-new-tokens", "8",
+                                    "--top", "2", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["drafters"] == ["ssm-1", "eagle3"]
+    s = figures["categories"]["all"]
+    assert 0 <= s["top1"][1] <= s["topk"][1] <= s["union_topk"] <= 1
+    assert "| all | eagle3 |" in capsys.readouterr().out

@@ -14,6 +14,7 @@ from boosttune.core.eagle3_head import Eagle3Head, Eagle3Spec, default_layers, i
 from boosttune.train.distill import Sample
 from boosttune.train.eagle3 import (
     chain_accepts,
+    eagle3_ranks,
     evaluate_eagle3,
     init_head,
     layer_features,
@@ -182,6 +183,10 @@ def test_training_lowers_the_loss_and_raises_acceptance(llm4):
                         autocast=torch.bfloat16)  # as the pipeline trains where the CPU has native bf16
     assert bf16["precision"] == "bfloat16" and bf16["last"]["loss"] > 0
     acc = chain_accepts(head, samples[0], feats[0], 3)
+    s0 = samples[0]
+    ranks = eagle3_ranks(head, feats[0].aux.float(), s0.ids, s0.prompt_len)  # depth 1, as coverage reads it
+    assert ranks.shape == (len(s0.ids) - s0.prompt_len,)
+    assert torch.equal(ranks == 0, acc[: len(ranks)] > 0)  # rank 0 where the chain's first draft is right
     assert len(acc) == len(samples[0].ids) - 1 - max(0, samples[0].prompt_len - 2)
 
 

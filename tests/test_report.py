@@ -48,3 +48,11 @@ def test_an_old_report_without_the_newer_keys_reads() -> None:
     assert "evaluation: not run yet" in lines and "  export: boosttune export /runs/r --out /runs/r-bundle" in lines
     off = summary_lines(state({**old, "tree": {"kind": "expansion", "widths": [3]}}, pending=()))
     assert "evaluation: none (eval.enabled is off)" in off and off[1].endswith("tree 3")
+
+
+def test_the_eagle3_head_has_its_line() -> None:
+    e3 = {"layers": [2, 15, 29], "train": {"steps": 250}, "held_out": {"depth": 3, "tau": 1.837, "accept_rate": [0.489, 0.2]}}
+    lines = summary_lines(state({"eagle3": e3}))
+    assert ("EAGLE-3 head: LLM layers 2, 15, 29, 250 steps, held-out chains of 3: τ 1.837, first draft right 0.489 "
+            "(export --format gguf / hf for llama.cpp, vLLM, SGLang)") in lines
+    assert not any(x.startswith("EAGLE-3") for x in summary_lines(state({})))

@@ -713,7 +713,9 @@ def test_eagle3_head_trains_on_a_finished_run_and_exports_for_llama_cpp(tiny_run
     assert is_eagle3_dir(run / "eagle3") and (run / "eagle3" / "complete.json").is_file()
     assert (run / "ssms" / "ssm-1" / "model.safetensors").stat().st_mtime_ns == ssm_before  # SSMs reused
     before = (run / "eagle3" / "model.safetensors").stat().st_mtime_ns
-    ok(train(run, *args))
+    proc = train(run, *args)
+    ok(proc)
+    assert any(line.startswith("EAGLE-3 head: LLM layers 0, 1, 1, 3 steps") for line in proc.stdout.splitlines())
     assert (run / "eagle3" / "model.safetensors").stat().st_mtime_ns == before
     hf = export_hf(run, tmp_path / "hf")
     assert hf.eagle3 == tmp_path / "hf" / "eagle3" and is_eagle3_dir(hf.eagle3)

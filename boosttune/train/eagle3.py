@@ -24,6 +24,7 @@ from torch import Tensor
 
 from boosttune.config import Eagle3Config
 from boosttune.core.eagle3_head import Eagle3Head, Eagle3Spec
+from boosttune.core.ranks import NOT_DRAFTABLE, token_ranks
 from boosttune.train.budget import train_for
 from boosttune.train.distill import Sample
 
@@ -207,6 +208,36 @@ def chain_accepts(head: Eagle3Head, sample: Sample, feats: LayerFeatures, depth:
         got = (guess == want) & (want >= 0)
         hits[: max(0, m - first), s] = got[first:]
     return hits.long().cumprod(1).sum(1)  # (A,) leading hits
+
+
+@torch.no_grad()
+def eagle3_ranks(head: Eagle3Head, aux: Tensor, ids: Sequence[int], prompt_len: int) -> Tensor:
+    """(O,) where each answer token ranks among the head's depth-1 guesses (0: its argmax;
+    ``NOT_DRAFTABLE`` outside its draft vocabulary, or with nothing to draft from), teacher forced as a
+    draft after the true prefix sees it: answer token t is guessed by pair ``prompt_len + t - 2``, as
+    a feature head's (``core/feature_head.py`` ``teacher_forced_ranks``).
+
+    Args:
+        head: the head.
+        aux: (>= len(ids) - 1, 3H) the LLM's layer inputs at positions 0 .. len(ids) - 2.
+        ids: prompt then answer token ids.
+        prompt_len: P >= 1.
+    """
+    m, o = len(ids) - 1, len(ids) - prompt_len
+    ranks = torch.full((max(o, 0),), NOT_DRAFTABLE, dtype=torch.long)
+    if m < 1 or o < 1:
+        return ranks
+    dev = head.fc.weight.device
+    tokens = torch.tensor(list(ids[1:]), device=dev)[None]  # (1, m)
+    state = head.unroll(aux[:m].to(dev, head.fc.weight.dtype)[None], tokens, 1)[0][0]  # (m, H)
+    first = max(0, 2 - prompt_len)
+    lo = prompt_len - 2 + first
+    where = torch.full((head.spec.vocab,), -1, dtype=torch.long)
+    where[head.d2t.cpu()] = torch.arange(head.spec.draft_vocab)
+    truth = where[torch.tensor(list(ids[lo + 2 :]))]  # (n,) draft rows of the answer tokens guessed
+    got = token_ranks(head.norm(state[lo : m - 1]), head.lm_head.weight, None, truth.clamp(min=0))
+    ranks[first:] = torch.where(truth >= 0, got, torch.full_like(got, NOT_DRAFTABLE))
+    return ranks
 
 
 @torch.no_grad()
