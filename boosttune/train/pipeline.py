@@ -252,8 +252,8 @@ def _llm_dtypes(cfg: TrainConfig) -> list[torch.dtype]:
     """The LLM's dtype in each phase this process runs, first the teacher's (later phases run on rank 0)."""
     dtypes = [parse_dtype(cfg.llm.teacher_dtype, _device(cfg))]
     if dist.is_main():
-        if cfg.feature.enabled:
-            dtypes.append(torch.float32)  # the head is built from, and trained on features of, the fp32 LLM
+        if cfg.feature.enabled or cfg.eagle3.enabled:
+            dtypes.append(torch.float32)  # the heads are built from, and trained on features of, the fp32 LLM
         if cfg.eval.enabled:
             dtypes.append(parse_dtype(cfg.llm.eval_dtype))
         if cfg.scheduler.prompts:
