@@ -86,9 +86,10 @@ class Eagle3Spec:
     def from_llm(cls, config, draft_vocab: int, layers: tuple[int, int, int] | None = None) -> Eagle3Spec:
         """The spec of a head for an LLM with HF ``config`` (a Llama-architecture one)."""
         n = config.num_hidden_layers
-        picked = tuple(int(x) for x in (layers or default_layers(n)))
-        if len(picked) != 3 or any(not 0 <= x < n for x in picked):
-            raise ValueError(f"eagle3.layers: 3 layer indices in 0..{n - 1} (the LLM has {n} layers), got {list(picked)}")
+        given = [int(x) for x in (layers or default_layers(n))]
+        if len(given) != 3 or any(not 0 <= x < n for x in given):
+            raise ValueError(f"eagle3.layers: 3 layer indices in 0..{n - 1} (the LLM has {n} layers), got {given}")
+        low, mid, high = given
         rope = getattr(config, "rope_parameters", None) or {}
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(hidden=config.hidden_size, intermediate=config.intermediate_size,
@@ -96,7 +97,7 @@ class Eagle3Spec:
                    rms_eps=float(config.rms_norm_eps),
                    rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
                    max_positions=config.max_position_embeddings, vocab=config.vocab_size,
-                   draft_vocab=draft_vocab, target_hidden=config.hidden_size, layers=picked)  # type: ignore[arg-type]
+                   draft_vocab=draft_vocab, target_hidden=config.hidden_size, layers=(low, mid, high))
 
 
 class RMSNorm(nn.Module):
