@@ -127,15 +127,13 @@ def method_args(method: str, draft_gguf: Path | None, draft_max: int | None, loo
     """
     if method == "llama":
         return []
-    if method == "llama_draft":
-        if draft_gguf is None:
-            raise ValueError("--draft-gguf is required for the 'llama_draft' method")
-        args = ["--model-draft", str(draft_gguf), "--spec-type", "draft-simple"]
-        return args + (["--spec-draft-n-max", str(draft_max)] if draft_max else [])
-    if method == "llama_eagle3":
-        if eagle3_gguf is None:
-            raise ValueError("--eagle3-gguf is required for the 'llama_eagle3' method")
-        args = ["--model-draft", str(eagle3_gguf), "--spec-type", "draft-eagle3"]
+    drafts = {"llama_draft": (draft_gguf, "--draft-gguf", "draft-simple"),
+              "llama_eagle3": (eagle3_gguf, "--eagle3-gguf", "draft-eagle3")}
+    if method in drafts:
+        path, flag, spec_type = drafts[method]
+        if path is None:
+            raise ValueError(f"{flag} is required for the {method!r} method")
+        args = ["--model-draft", str(path), "--spec-type", spec_type]
         return args + (["--spec-draft-n-max", str(draft_max)] if draft_max else [])
     if method == "llama_ngram":
         m = draft_max or lookup or NGRAM_DRAFT_DEFAULT

@@ -275,9 +275,9 @@ def is_eagle3_dir(path: str | Path) -> bool:
     return (Path(path) / SPEC_FILE).is_file()
 
 
-def load_head(path: str | Path, embed: Tensor) -> Eagle3Head:
-    """The head saved in ``path``, given the LLM's (V, H) token embeddings. Raises ValueError naming
-    the file when the folder is not one."""
+def read_spec(path: str | Path) -> Eagle3Spec:
+    """The spec in the marker of the head saved in ``path``. Raises ValueError naming the file when the
+    folder is not one."""
     path = Path(path)
     try:
         marker = json.loads((path / SPEC_FILE).read_text(encoding="utf-8"))
@@ -285,7 +285,14 @@ def load_head(path: str | Path, embed: Tensor) -> Eagle3Head:
         raise ValueError(f"{path / SPEC_FILE}: not a readable EAGLE-3 head marker ({e}); re-train or re-export it") from None
     if not isinstance(marker, dict) or marker.get("format") != FORMAT or marker.get("version") != VERSION:
         raise ValueError(f"{path / SPEC_FILE}: not a {FORMAT} v{VERSION} marker; re-train the head")
-    spec = Eagle3Spec(**{**marker["spec"], "layers": tuple(marker["spec"]["layers"])})
+    return Eagle3Spec(**{**marker["spec"], "layers": tuple(marker["spec"]["layers"])})
+
+
+def load_head(path: str | Path, embed: Tensor) -> Eagle3Head:
+    """The head saved in ``path``, given the LLM's (V, H) token embeddings. Raises ValueError naming
+    the file when the folder is not one."""
+    path = Path(path)
+    spec = read_spec(path)
     if tuple(embed.shape) != (spec.vocab, spec.hidden):
         raise ValueError(f"{path}: the head needs the LLM's ({spec.vocab}, {spec.hidden}) embeddings, got {tuple(embed.shape)}")
     state = load_file(str(path / WEIGHTS_FILE))

@@ -27,7 +27,7 @@ a 2-D tensor whose rows are not a multiple of the block size falls back to f16, 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -308,10 +308,10 @@ def write_eagle3_gguf(head_dir: Path, llm_ref: str, tokenizer_fields: dict[str, 
     import gguf
     from safetensors.numpy import load_file
 
-    from boosttune.core.eagle3_head import SPEC_FILE, WEIGHTS_FILE
+    from boosttune.core.eagle3_head import WEIGHTS_FILE, read_spec
 
     file_type, qtype = _types(gguf_type)
-    spec = json.loads((head_dir / SPEC_FILE).read_text())["spec"]
+    spec = asdict(read_spec(head_dir))
     n_tokens = len(tokenizer_fields["tokenizer.ggml.tokens"].value)
     if spec["vocab"] != n_tokens:
         raise ValueError(f"EAGLE-3 head {head_dir}: made for a {spec['vocab']}-token LLM, the LLM's GGUF has {n_tokens} "

@@ -103,7 +103,6 @@ class Batch:
     final: Tensor  # (B, n + 1, H) the LLM's states at positions 0..n
     valid: Tensor  # (B, n + 1) a real position
     answer: Tensor  # (B, n + 1) position i's next token t_{i+1} is the LLM's continuation
-    truth: Tensor  # (B, n + 1) t_{i+1}, the token the LLM wrote after position i (-1: none)
 
 
 def make_batch(samples: Sequence[Sample], feats: Sequence[LayerFeatures]) -> Batch:
@@ -113,7 +112,6 @@ def make_batch(samples: Sequence[Sample], feats: Sequence[LayerFeatures]) -> Bat
     aux = torch.zeros(b, n, w3)
     final = torch.zeros(b, n + 1, w)
     tokens = torch.zeros(b, n, dtype=torch.long)
-    truth = torch.full((b, n + 1), -1, dtype=torch.long)
     valid = torch.zeros(b, n + 1, dtype=torch.bool)
     answer = torch.zeros(b, n + 1, dtype=torch.bool)
     for i, (s, f) in enumerate(zip(samples, feats, strict=True)):
@@ -122,10 +120,9 @@ def make_batch(samples: Sequence[Sample], feats: Sequence[LayerFeatures]) -> Bat
         aux[i, :m] = f.aux[:m].float()
         final[i, : m + 1] = f.final.float()
         tokens[i, :m] = torch.tensor(s.ids[1:])
-        truth[i, :m] = tokens[i, :m]
         valid[i, : m + 1] = True
         answer[i, max(0, s.prompt_len - 1) : m + 1] = True  # p at m: the LLM's next token after the sample
-    return Batch(aux=aux, tokens=tokens, final=final, valid=valid, answer=answer, truth=truth)
+    return Batch(aux=aux, tokens=tokens, final=final, valid=valid, answer=answer)
 
 
 def ttt_losses(head: Eagle3Head, batch: Batch, w: Tensor, depth: int, step_decay: float = 0.8,
@@ -200,7 +197,7 @@ def chain_accepts(head: Eagle3Head, sample: Sample, feats: LayerFeatures, depth:
     if first >= n:
         return torch.zeros(0, dtype=torch.long)
     hits = torch.zeros(n - first, depth, dtype=torch.bool)
-    truth = batch.truth[0]
+    truth = torch.tensor([*sample.ids[1:], -1])  # (n + 1,) t_{i+1}, the token after position i (-1: none)
     for s, st in enumerate(states):
         guess = head.d2t[head.logits(st[0]).argmax(-1)].cpu()  # (n - s,) guesses for t_{j+s+2}
         m = st.shape[1]

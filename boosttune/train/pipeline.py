@@ -618,11 +618,16 @@ def _publish_model(model, tokenizer, out: Path, marker: dict, stats: dict | None
 def finished_feature(cfg: TrainConfig, run: RunDir, k: int = 1) -> dict | None:
     """The statistics of the run's feature head ``k`` if it was trained with the ``feature:`` settings of
     ``cfg`` (None: none yet, or other settings: it is trained again)."""
-    stats_file = run.feature_head_dir(k) / "stats.json"
-    if not is_complete(run.feature_head_dir(k)) or not stats_file.is_file():
+    stats = _finished_stats(run.feature_head_dir(k))
+    return stats if stats is not None and _same_feature_settings(stats.get("config"), cfg.feature, k) else None
+
+
+def _finished_stats(directory: Path) -> dict | None:
+    """A complete model directory's stats.json (None: not complete, or no statistics)."""
+    stats_file = directory / "stats.json"
+    if not is_complete(directory) or not stats_file.is_file():
         return None
-    stats = json.loads(stats_file.read_text())
-    return stats if _same_feature_settings(stats.get("config"), cfg.feature, k) else None
+    return json.loads(stats_file.read_text())
 
 
 def _same_feature_settings(saved: dict | None, now: FeatureConfig, k: int = 1) -> bool:
@@ -774,11 +779,8 @@ def train_feature_head(cfg: TrainConfig, run: RunDir, k: int, d: HeadData, llm: 
 
 def finished_eagle3(cfg: TrainConfig, run: RunDir) -> dict | None:
     """The run's EAGLE-3 head's statistics if it was trained with the ``eagle3:`` settings of ``cfg``."""
-    stats_file = run.eagle3_dir / "stats.json"
-    if not is_complete(run.eagle3_dir) or not stats_file.is_file():
-        return None
-    stats = json.loads(stats_file.read_text())
-    return stats if stats.get("config") == json.loads(json.dumps(asdict(cfg.eagle3))) else None
+    stats = _finished_stats(run.eagle3_dir)
+    return stats if stats is not None and stats.get("config") == json.loads(json.dumps(asdict(cfg.eagle3))) else None
 
 
 def eagle3_phase(cfg: TrainConfig, run: RunDir, data: TeacherData, llm: RunLLM) -> dict | None:
@@ -822,7 +824,7 @@ def eagle3_phase(cfg: TrainConfig, run: RunDir, data: TeacherData, llm: RunLLM) 
                "samples": len(data.train), "held_out_samples": len(data.held)}
     _log(f"eagle3: {stats['steps']} steps in {stats['seconds']:.0f} s, held-out chain tau {before['tau']:.3f} -> "
          f"{after['tau']:.3f} (depth {ec.depth}; layer inputs {feature_seconds:.0f} s)")
-    head = head.to(torch.float32).eval()
+    head.eval()  # fp32 throughout: autocast only ran the forward in bf16
     _publish_model(head, data.tokenizer, run.eagle3_dir, {"eagle3": True}, stats=summary,
                    save=lambda tmp: head.save(tmp, {"llm_ref": cfg.llm.ref}))
     return summary
