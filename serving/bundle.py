@@ -349,7 +349,7 @@ def load_bundle(
             models[entry.name] = None
             continue
         try:
-            model = kinds.kind(entry.kind).load(root / entry.dir, ssm_torch_dtype, device)
+            model = kinds.kind(entry.kind).load(root / entry.dir, ssm_torch_dtype, device, llm=llm_model)
         except (OSError, ValueError, RuntimeError, TypeError) as e:  # e.g. weights that do not fit the config
             raise BundleError(f"bundle directory {entry.dir}: the {entry.kind} drafter does not load ({e}); "
                               "re-export the bundle") from None

@@ -124,6 +124,7 @@ class CompiledForward(torch.nn.Module):
                                    ly.post_attention_layernorm.weight)] + [body.norm.weight.detach()])  # (2L + 1, H)
         self._eps = float(body.norm.variance_epsilon)
         self._q, self._g, self._c, self._scale = runner._q, runner._g, runner._c, runner._scale
+        self.taps = tuple(runner.taps)  # layers whose inputs follow the last hidden states (``set_taps``)
         weakref.finalize(self, _drop, keys)
         # dynamo caches graphs per code object, at most ``recompile_limit`` (8) of them, and each
         # instance needs its own two: each instance compiles a copy of ``_forward``'s code
@@ -135,7 +136,8 @@ class CompiledForward(torch.nn.Module):
         """Feed ``x`` (1, T, H) embeddings at cache ``slots`` (T,) = S - T .. S - 1 of ``keys``/``values``
         (per layer (G, capacity, C), written in place); ``cos``/``sin`` (1, T, C) their rotary
         factors, ``length`` = S, ``mask`` the (rep T, S) folded attention mask or None (every
-        query sees every key). Returns the (T, V) fp32 logits and (T, H) fp32 last hidden states."""
+        query sees every key). Returns the (T, V) fp32 logits and (T, H) fp32 last hidden states (then
+        the inputs of the ``taps`` layers: (T, (1 + taps) H))."""
         return self._fn(x, cos, sin, slots, keys, values, length, mask, self._norms, self._head_ids)
 
     def _rms(self, x: Tensor, weight: Tensor) -> Tensor:
@@ -155,7 +157,10 @@ class CompiledForward(torch.nn.Module):
                           torch.ones(half, dtype=sin.dtype, device=sin.device)])
         sin4 = (sin * sign).unsqueeze(2)
         op = torch.ops.boosttune.packed_linear
+        tapped: dict[int, Tensor] = {}
         for i, (qkv_key, o_key, gate_up_key, down_key) in enumerate(self._layers):
+            if i in self.taps:
+                tapped[i] = x[0]  # the layer's input (T, H)
             qkv = op(self._rms(x, norms[2 * i]), qkv_key)  # (1, T, (Q + 2G) C)
             qk = qkv[..., : (q_n + g_n) * c].view(1, t, q_n + g_n, c)
             qk = qk * cos4 + qk.roll(half, -1) * sin4
@@ -174,7 +179,7 @@ class CompiledForward(torch.nn.Module):
         logits = op(last, self._head).float()  # (T, V), or (T, K) over a draft vocabulary
         if head_ids is not None:  # ModelRunner._restricted_logits
             logits = logits.new_full((t, self._vocab), float("-inf")).index_copy(1, head_ids, logits)
-        return logits, last.float()
+        return logits, torch.cat([last, *(tapped[i] for i in self.taps)], -1).float()
 
 
 def compile_runner(runner: LeanRunner, warm_up: bool = True) -> float:

@@ -82,7 +82,13 @@ class Drafter(Protocol):
 
     def observe(self, features: Tensor) -> None:
         """The LLM's (n, H) features of the next n committed positions (only called on drafters whose
-        ``observes_features`` is True)."""
+        ``observes_features`` is True); (n, 3 H) layer inputs for a drafter whose ``feature_layers``
+        names three layers."""
+        ...
+
+    def feature_layers(self) -> tuple[int, ...]:
+        """The LLM layers whose inputs this drafter reads instead of the last hidden states (an EAGLE-3
+        head's three); () for the last hidden states (or none, without ``observes_features``)."""
         ...
 
     def draft(
@@ -148,6 +154,9 @@ class SSMDrafter:
 
     def observe(self, features: Tensor) -> None:
         raise TypeError(f"{type(self).__name__} does not read the LLM's features")
+
+    def feature_layers(self) -> tuple[int, ...]:
+        return ()
 
     def _head(self, k: int) -> Tensor | None:
         """(K,) token ids of a draft vocabulary of ``k`` tokens (None for 0: the whole vocabulary)."""

@@ -31,7 +31,7 @@ accepted length (full-information labels: one verification scores every branch a
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -156,6 +156,7 @@ class SpeculativeEngine:
         self.llm = llm
         self.drafters = dict(drafters)
         self.plan = self._checked(plan)
+        llm.set_taps(feature_taps(self.drafters.values()))  # the layer inputs EAGLE-3 heads read
 
     def _checked(self, plan: Plan) -> Plan:
         unknown = [name for name in plan.trees if name not in self.drafters]
@@ -231,12 +232,12 @@ class SpeculativeEngine:
         else:
             width = llm.model.get_output_embeddings().weight.shape[1]
             hidden = (llm.chain_hidden(prefix) if len(committed) > 1
-                      else torch.zeros(0, width, device=llm.device))  # on chain_hidden's device
+                      else torch.zeros(0, width * (1 + len(llm.taps)), device=llm.device))  # on chain_hidden's device
             for d in readers:
-                d.observe(hidden)
+                d.observe(reader_features(hidden, width, llm.taps, d.feature_layers()))
             if planner is not None:
                 t0 = time.perf_counter()
-                plan = planner(hidden)
+                plan = planner(hidden[:, :width])
                 plan_s = time.perf_counter() - t0
         prefill_s = time.perf_counter() - start - plan_s
         plan = self._checked(plan) if plan is not None else self.plan
@@ -341,8 +342,9 @@ class Stream:
         if self.readers:  # features of the pending token and the accepted path: positions now committed
             assert hidden is not None, "a stream whose drafters read features needs the LLM's hidden states"
             rows = torch.tensor([0] + [n + 1 for n in path], dtype=torch.long)[: len(new)]
+            width = self.llm.model.get_output_embeddings().weight.shape[1]
             for d in self.readers:
-                d.observe(hidden[rows.to(hidden.device)])
+                d.observe(reader_features(hidden[rows.to(hidden.device)], width, self.llm.taps, d.feature_layers()))
         self.generated += new
         self.committed += new
         self.accept_lengths.append(len(new))
@@ -359,6 +361,21 @@ class Stream:
                                self.finish or "cancelled", self.hits, active=self.names, records=self.records)
         res.prefill_s, res.plan_s, res.plan = self.prefill_s, self.plan_s, self.plan
         return res
+
+
+def feature_taps(drafters: Iterable[Drafter]) -> tuple[int, ...]:
+    """The LLM layers whose inputs some drafter reads (``Drafter.feature_layers``), in order."""
+    return tuple(sorted({i for d in drafters if d.observes_features() for i in d.feature_layers()}))
+
+
+def reader_features(hidden: Tensor, width: int, taps: Sequence[int], layers: Sequence[int]) -> Tensor:
+    """What one drafter reads of the LLM's (n, (1 + len(taps)) H) hidden-state result (the last-layer
+    states, then the inputs of the ``taps`` layers): the (n, H) last-layer states where ``layers`` is
+    empty, else the (n, len(layers) H) inputs of ``layers`` in their order."""
+    if not layers:
+        return hidden[:, :width]
+    blocks = hidden.view(hidden.shape[0], 1 + len(taps), width)
+    return blocks[:, [1 + list(taps).index(i) for i in layers]].reshape(hidden.shape[0], -1)
 
 
 def _draft(

@@ -33,12 +33,19 @@ class FeatureDrafter(SSMDrafter):
     """Drafts a tree depth by depth from the LLM's features (one head forward per depth)."""
 
     def __init__(self, runner: ModelRunner, vocab_size: int | None = None, ranking: Tensor | None = None):
-        if not is_feature_head(runner.model):
-            raise ValueError("FeatureDrafter needs a feature head (a model loaded with its feature_fc)")
+        self._check_model(runner.model)
         super().__init__(runner, vocab_size, ranking)
         width = runner.model.get_input_embeddings().weight.shape[1]
         self._features = torch.zeros(0, width)  # (T - 1, H) the LLM's features of the committed positions
         self._node_hidden: dict[int, Tensor] = {}  # node index (-1: the root) → its predicted feature
+
+    def _check_model(self, model) -> None:
+        if not is_feature_head(model):
+            raise ValueError("FeatureDrafter needs a feature head (a model loaded with its feature_fc)")
+
+    def _pair(self, features: Tensor, tokens: Tensor) -> Tensor:
+        """(n, H) features and the (n,) tokens after them → the (n, H) inputs of the head's pairs."""
+        return pair_inputs(self.runner.model, features, tokens)
 
     def reset(self) -> None:
         super().reset()
@@ -60,7 +67,7 @@ class FeatureDrafter(SSMDrafter):
                                f"{t - 1} committed positions need them")
         start = self._synced
         self.runner.crop(start)
-        inputs = pair_inputs(self.runner.model, self._features[start:], committed[start + 1 :])  # (T-1-start, H)
+        inputs = self._pair(self._features[start:], committed[start + 1 :])  # (T-1-start, H)
         n = inputs.shape[0]
         assert n > 0, "every step commits a token, so a draft always has a new pair to feed"
         pos = torch.arange(start, start + n).unsqueeze(0)
@@ -72,7 +79,7 @@ class FeatureDrafter(SSMDrafter):
 
     def _feed_nodes(self, tokens: Tensor, parents: Tensor, new_idx: Tensor, depth: int, t: int, mask: Tensor) -> Tensor:
         feats = torch.stack([self._node_hidden[p] for p in parents[new_idx].tolist()])  # (F', H)
-        inputs = pair_inputs(self.runner.model, feats, tokens[new_idx])
+        inputs = self._pair(feats, tokens[new_idx])
         pos = (t - 2 + depth) + torch.zeros(1, new_idx.numel(), dtype=torch.long)
         logits, hidden = self.runner.forward_hidden(inputs.unsqueeze(0), pos, t - 1, mask)
         for i, node in enumerate(new_idx.tolist()):

@@ -1,12 +1,13 @@
 """Drafter kinds: the one registry of what can draft, and everything in which kinds differ.
 
-A *kind* (``"ssm"``, ``"feature"``, ``"prompt_lookup"``, or one a user registers) is one class,
+A *kind* (``"ssm"``, ``"feature"``, ``"eagle3"``, ``"prompt_lookup"``, or one a user registers) is one class,
 registered with :func:`register`. A bundle's manifest names each drafter's kind (``manifest.py``),
 and every place that loads, checks, builds or ships a drafter asks its kind instead of looking at
 files, attributes or class names:
 
 - ``check(directory)``: the files and fields a drafter of this kind needs, before anything loads;
-- ``load(directory, dtype)``: its model (None for kinds without one, such as prompt lookup);
+- ``load(directory, dtype, device, llm)``: its model (None for kinds without one, such as prompt
+  lookup; an EAGLE-3 head reads the LLM's token embeddings);
 - ``drafter(model, vocab_size, ranking)``: the ``Drafter`` that serves it (``drafter.py``), which
   itself says whether it reads the LLM's features (``Drafter.observes_features``);
 - ``ships(directory)``: the files of a trained drafter's directory that export copies into a bundle;
@@ -122,8 +123,10 @@ class DrafterKind:
                                  f"that {_CONFIG} describes needs {list(needed[name])}")
         return model
 
-    def load(self, directory: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> nn.Module | None:
-        """The drafter's model on ``device``, in eval mode without gradients."""
+    def load(self, directory: Path, dtype: torch.dtype, device: torch.device | str = "cpu",
+             llm: nn.Module | None = None) -> nn.Module | None:
+        """The drafter's model on ``device``, in eval mode without gradients; ``llm``: the LLM it drafts
+        for (a kind that shares the LLM's weights, e.g. its token embeddings, reads them there)."""
         return load_causal_lm(directory, dtype, device)
 
     def drafter(self, model: nn.Module | None, vocab_size: int, ranking: Tensor | None) -> Drafter:
@@ -260,7 +263,7 @@ class FeatureKind(DrafterKind):
             raise ValueError(f"{fc_file}: 'weight' has shape {list(found['weight'])}, the head's width needs "
                              f"[{hidden}, {2 * hidden}]")
 
-    def load(self, directory, dtype, device="cpu"):
+    def load(self, directory, dtype, device="cpu", llm=None):
         model = super().load(directory, dtype, device)
         attach_fc(model, directory)  # on the model's device
         return model
@@ -294,8 +297,87 @@ class PromptLookupKind(DrafterKind):
     def check(self, directory):
         pass
 
-    def load(self, directory, dtype, device="cpu"):
+    def load(self, directory, dtype, device="cpu", llm=None):
         return None
 
     def drafter(self, model, vocab_size, ranking):
         return PromptLookupDrafter(vocab_size=vocab_size)
+
+
+@register
+class Eagle3Kind(DrafterKind):
+    """An EAGLE-3 head (``core/eagle3_head.py``): reads three of the LLM's layer inputs
+    (``Eagle3Drafter``) and the LLM's token embeddings; trained by the ``eagle3`` phase."""
+
+    name = "eagle3"
+    phase = "eagle3"
+
+    def check(self, directory):
+        from boosttune.core.eagle3_head import WEIGHTS_FILE, read_spec
+
+        spec = read_spec(directory)  # a ValueError naming the marker
+        weights = directory / WEIGHTS_FILE
+        if not weights.is_file():
+            raise ValueError(f"{directory}: no {WEIGHTS_FILE}; an EAGLE-3 head's weights are missing")
+        h, ht, a, kv = spec.hidden, spec.target_hidden, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+        need = {"fc.weight": (h, 3 * ht), "norm.weight": (h,), "lm_head.weight": (spec.draft_vocab, h),
+                "d2t": (spec.draft_vocab,), "t2d": (spec.vocab,),
+                **{f"midlayer.{n}.weight": (h,) for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")},
+                "midlayer.self_attn.q_proj.weight": (a, 2 * h), "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
+                "midlayer.self_attn.v_proj.weight": (kv, 2 * h), "midlayer.self_attn.o_proj.weight": (h, a),
+                "midlayer.mlp.gate_proj.weight": (spec.intermediate, h), "midlayer.mlp.up_proj.weight": (spec.intermediate, h),
+                "midlayer.mlp.down_proj.weight": (h, spec.intermediate)}
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(weights, framework="pt") as st:
+                found = {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{weights}: not a valid safetensors file ({e})") from None
+        if set(found) != set(need):
+            raise ValueError(f"{weights}: tensors {sorted(set(found) ^ set(need))[:4]} differ from an EAGLE-3 head's")
+        for key, shape in need.items():
+            if found[key] != shape:
+                raise ValueError(f"{weights}: tensor {key!r} has shape {list(found[key])}, the head's "
+                                 f"eagle3_head.json needs {list(shape)}")
+
+    def load(self, directory, dtype, device="cpu", llm=None):
+        from boosttune.core.eagle3_head import load_head
+        from boosttune.serving import cpu_linear
+
+        if llm is None:
+            raise ValueError("an EAGLE-3 head reads the LLM's token embeddings; load it with its LLM")
+        head = load_head(directory, llm.get_input_embeddings().weight.detach())
+        head = head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        if head.fc.weight.device.type == "cpu":
+            cpu_linear.install(head)
+        return head
+
+    def drafter(self, model, vocab_size, ranking):
+        from boosttune.serving.eagle3_drafter import Eagle3Drafter
+
+        return Eagle3Drafter(model, vocab_size)
+
+    def ships(self, directory):
+        from boosttune.core.eagle3_head import SPEC_FILE, WEIGHTS_FILE
+
+        return [_CONFIG, WEIGHTS_FILE, SPEC_FILE]
+
+    MIN_PROB: ClassVar[float] = 0.4
+    """Deeper levels only under a draft the head believes in: each level costs a head forward (~1.7 ms
+    on 2 cores, mostly its 8,192-row LM head), paid only where a chain is likely to be accepted. On
+    MT-bench 1-20 (bf16, 2 cores, demo data) widths [3, 1, 1] gave 2.05 tokens a step at 64.5 tok/s
+    with this floor, 2.02 at 46.8-51.5 without it, and [3] alone 1.87-1.90 at 58-62 (docs/measurements.md)."""
+
+    def trained_tree(self, directory, tree):
+        """Chains as deep as the head was trained to draft (``eagle3.depth``), the run's first width at
+        the root, expanded only under drafts of cumulative probability >= ``MIN_PROB`` (or the run's
+        own floor, if higher); over the head's own vocabulary (``draft_vocab`` 0)."""
+        depth = 3
+        if directory is not None and (directory / "stats.json").is_file():
+            try:
+                depth = int(json.loads((directory / "stats.json").read_text(encoding="utf-8"))["config"]["depth"])
+            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+                pass
+        return replace(tree, kind="expansion", widths=(tree.widths[0] if tree.widths else 1,) + (1,) * (depth - 1),
+                       min_prob=max(tree.min_prob, self.MIN_PROB), draft_vocab=0)

@@ -156,6 +156,15 @@ class LeanRunner(ModelRunner):
                 new[:, : self._len] = old[:, : self._len]
         self._keys, self._values = keys, values
 
+    def set_taps(self, layers: Sequence[int]) -> None:
+        """``ModelRunner.set_taps``; before the forward is compiled (the graph returns the taps it had)."""
+        before = self.taps
+        super().set_taps(layers)
+        if self.compiled is not None and self.taps != before:
+            self.taps = before
+            raise ValueError("set the taps before compiling the forward (compile_runner): its graph returns "
+                             "the layer inputs it was built with")
+
     def spawn(self) -> LeanRunner:
         """A runner of the same model and fused weights with an empty cache of its own (one per
         request of a batch: :func:`run_many` feeds several at once)."""
@@ -214,7 +223,7 @@ class Feed:
         position_ids: (1, T) positions.
         prefix_len: P, cached positions every fed token sees.
         tree_mask: (T, S - P) bool over the positions after the prefix, S = cached length + T.
-        hidden: also return the (T, H) fp32 last-layer hidden states.
+        hidden: also return the (T, H) fp32 last-layer hidden states (and the runner's ``taps``).
         logits: return the logits (False: skip the LM head for these rows, as a prefill may: for the
             135M LLM's 49,152-row head that is about a quarter of a prompt's forward).
     """
@@ -260,12 +269,13 @@ def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor | No
     all feeds go through every matrix product together, attention reads each runner's own cache.
 
     Per feed, returns what that runner's ``_run`` would: the (T, V) fp32 logits (None without
-    ``Feed.logits``) and, with ``Feed.hidden``, the (T, H) fp32 last-layer hidden states. One verification forward costs about
+    ``Feed.logits``) and, with ``Feed.hidden``, the (T, H) fp32 last-layer hidden states (then the
+    inputs of the runners' ``taps`` layers: (T, (1 + taps) H)). One verification forward costs about
     as much for a few tokens as for one on a CPU (weights are read once per product), so several
     requests' trees verify for little more than one's (``serving/batch.py``)."""
     first = feeds[0][0]
-    if any(r.model is not first.model or r._head is not first._head for r, _ in feeds):
-        raise ValueError("run_many feeds runners of one model with one LM head")
+    if any(r.model is not first.model or r._head is not first._head or r.taps != first.taps for r, _ in feeds):
+        raise ValueError("run_many feeds runners of one model with one LM head and the same taps")
     if len({id(r) for r, _ in feeds}) != len(feeds):
         raise ValueError("run_many feeds each runner once")
     dev, body = first.device, first._body
@@ -294,7 +304,10 @@ def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor | No
         first._len = s
         return [(logits, last if only.hidden else None)]
     q_n, g_n, c, n = first._q, first._g, first._c, x.shape[1]
+    tapped: dict[int, Tensor] = {}
     for i, layer in enumerate(body.layers):
+        if i in first.taps:
+            tapped[i] = x[0]  # the layer's input (sum T, H)
         h = layer.input_layernorm(x)
         qkv = first._qkv[i](h)  # (1, sum T, (Q + 2G) C)
         q = qkv[..., : q_n * c].view(1, n, q_n, c).transpose(1, 2)  # (1, Q, sum T, C)
@@ -322,7 +335,8 @@ def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor | No
     for (runner, _), (_, _, _, s, _) in zip(feeds, spans, strict=True):
         runner._len = s
     last = body.norm(x)[0]  # (sum T, H)
-    hidden = last.float() if any(f.hidden for _, f in feeds) else None
+    hidden = (torch.cat([last, *(tapped[i] for i in first.taps)], -1).float()
+              if any(f.hidden for _, f in feeds) else None)  # (sum T, (1 + taps) H)
     heads = [(a, b) for (_, f), (a, b, *_) in zip(feeds, spans, strict=True) if f.logits]
     if len(heads) == len(feeds):
         rows, at = last, {a: a for a, _ in heads}

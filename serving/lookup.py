@@ -130,6 +130,9 @@ class PromptLookupDrafter:
     def observe(self, features: Tensor) -> None:
         raise TypeError("prompt lookup does not read the LLM's features")
 
+    def feature_layers(self) -> tuple[int, ...]:
+        return ()
+
     def draft(
         self, committed: Tensor, tree: TreeConfig, sampling: SamplingParams, generator: torch.Generator | None
     ) -> TokenTree:

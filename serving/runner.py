@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +109,8 @@ class ModelRunner:
         self.cache = DynamicCache(config=model.config)
         self.head_ids: Tensor | None = None
         self._head: torch.nn.Linear | None = None  # (K, H) rows of the LM head, as a Linear of their own
+        self.taps: tuple[int, ...] = ()
+        """Decoder layers whose inputs the hidden-state path also returns (``set_taps``)."""
         if head_ids is not None:
             self.restrict_head(head_ids)
 
@@ -132,6 +134,16 @@ class ModelRunner:
             cpu_linear.install(self._head)
         self._vocab = weight.shape[0]
         self._body_cache_kw = cache_keyword(self.model.base_model.forward)
+
+    def set_taps(self, layers: Sequence[int]) -> None:
+        """Make every hidden-state result (``chain_hidden``, ``forward_hidden``) also carry the inputs
+        of decoder ``layers`` (what an EAGLE-3 head reads): (T, (1 + len(layers)) H), the last-layer
+        states first, then each tapped layer's input in the order given. Empty: (T, H) again."""
+        layers = tuple(int(i) for i in layers)
+        n = self.model.config.num_hidden_layers
+        if any(not 0 <= i < n for i in layers):
+            raise ValueError(f"taps must be decoder layers in 0..{n - 1}, got {list(layers)}")
+        self.taps = layers
 
     @property
     def device(self) -> torch.device:
@@ -160,7 +172,8 @@ class ModelRunner:
 
     def chain_hidden(self, tokens: Tensor) -> Tensor:
         """Like :meth:`forward_chain`, but returns the (T, H) fp32 last-layer hidden states (the
-        input of the LM head) instead of the logits: request features at no extra forward."""
+        input of the LM head) instead of the logits: request features at no extra forward
+        (with ``taps``, the tapped layers' inputs after them)."""
         p = self.cached_len
         t = tokens.shape[0]
         pos = torch.arange(p, p + t).unsqueeze(0)
@@ -173,7 +186,7 @@ class ModelRunner:
         self, inputs: Tensor, position_ids: Tensor, prefix_len: int, tree_mask: Tensor
     ) -> tuple[Tensor, Tensor]:
         """Like :meth:`forward`, but returns the (T, V) fp32 logits and the (T, H) fp32 last-layer
-        hidden states; ``inputs`` are (1, T) token ids or (1, T, H) input embeddings (a feature
+        hidden states (with ``taps``, the tapped layers' inputs after them); ``inputs`` are (1, T) token ids or (1, T, H) input embeddings (a feature
         drafter feeds embeddings it computed itself)."""
         logits, hidden = self._run(inputs, position_ids, prefix_len, tree_mask, hidden=True)
         assert hidden is not None
@@ -195,11 +208,14 @@ class ModelRunner:
                   "use_cache": True, "tree_spec": spec}
         with _attention(self.model, ATTN_NAME):
             if self._head is not None:
+                assert not self.taps, "a runner with a restricted head (a drafter's) has no taps"
                 body = self.model.base_model(**inputs, **{self._body_cache_kw: self.cache})
                 last = body.last_hidden_state[0]  # (T, H)
                 return self._restricted_logits(last), (last.float() if hidden else None)
             out = self.model(**inputs, output_hidden_states=hidden, **{self._cache_kw: self.cache})
-        states = out.hidden_states[-1][0].float() if hidden else None  # (T, H)
+        states = None
+        if hidden:  # hidden_states[i] is layer i's input, the last one the final norm's output
+            states = torch.cat([out.hidden_states[-1][0], *(out.hidden_states[i][0] for i in self.taps)], -1).float()
         return out.logits[0].float(), states  # (T, V)
 
     def _restricted_logits(self, last: Tensor) -> Tensor:

@@ -532,6 +532,9 @@ class StackedMember:
     def observe(self, features: Tensor) -> None:
         raise TypeError(f"{type(self).__name__} does not read the LLM's features")
 
+    def feature_layers(self) -> tuple[int, ...]:
+        return ()
+
     def draft(
         self, committed: Tensor, tree: TreeConfig, sampling: SamplingParams, generator: torch.Generator | None
     ) -> TokenTree:

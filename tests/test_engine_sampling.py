@@ -152,6 +152,26 @@ def test_sampling_keeps_the_llm_distribution(models):
     assert pv > 1e-3, f"chi-square p-value {pv:.2e}: sampled output does not follow the LLM"
 
 
+def eagle3_engine() -> SpeculativeEngine:
+    """The recipe: an EAGLE-3 head over 4 of the 5 tokens (token 1 has q = 0), reading two layers'
+    inputs (one of them twice), a tree of two levels."""
+    from boosttune.core.eagle3_head import Eagle3Spec
+    from boosttune.serving.eagle3_drafter import Eagle3Drafter
+    from boosttune.serving.runner import ModelRunner
+    from boosttune.train.eagle3 import init_head
+
+    llm, _ = sampling_models()
+    head = init_head(llm, Eagle3Spec.from_llm(llm.config, 4, (0, 1, 1)), torch.tensor([0, 2, 3, 4]))
+    drafters = {"eagle3": Eagle3Drafter(head.eval().requires_grad_(False), VOCAB)}
+    return SpeculativeEngine(ModelRunner(llm), drafters, Plan({"eagle3": TreeConfig(widths=(2, 2))}))
+
+
+def test_sampling_with_an_eagle3_head_keeps_the_llm_distribution(models):
+    llm, _ = models
+    pv = pvalue(run_engine(eagle3_engine), exact_distribution(llm))
+    assert pv > 1e-3, f"chi-square p-value {pv:.2e}: sampled output with an EAGLE-3 head does not follow the LLM"
+
+
 def _accept_always(tree, p_probs, generator):
     """A wrong verifier: follows the first child down to a leaf, then samples the bonus from p."""
     node, path = -1, []

@@ -727,3 +727,17 @@ def test_eagle3_head_trains_on_a_finished_run_and_exports_for_llama_cpp(tiny_run
     reader = gguf.GGUFReader(res.out / "eagle3.f32.gguf")
     assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == "eagle3"
     assert {t.name for t in reader.tensors} >= {"fc.weight", "d2t", "blk.0.attn_q.weight", "output.weight"}
+    # a bundle ships it as a drafter of kind eagle3, and serving it is lossless
+    from boosttune.assemble import load
+    from boosttune.export.bundle import export_bundle
+    from boosttune.serving.decode import incremental_generate
+    from boosttune.serving.stops import StopCriteria
+
+    bundle = export_bundle(run, tmp_path / "bundle", drafters=["eagle3"], prompt_lookup=3)
+    entry = bundle.manifest.drafters[0]
+    assert (entry.name, entry.kind, entry.tree.draft_vocab, len(entry.tree.widths)) == ("eagle3", "eagle3", 0, 3)
+    served = load(bundle=bundle.bundle, use_scheduler=False)
+    assert served.engine.llm.taps == (0, 1)
+    prompt = served.llm.tokenizer("the cat sat on the mat and the cat")["input_ids"]
+    stop = StopCriteria(max_new_tokens=16)
+    assert served.generate(prompt, stop, chat=False).tokens == incremental_generate(served.llm.model, prompt, stop).tokens

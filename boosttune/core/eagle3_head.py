@@ -153,11 +153,19 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", d2t.detach().long().clone(), persistent=False)
 
     # ---------------------------------------------------------------------------------- the step
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The LLM's token embeddings the head reads (what a transformers model answers here)."""
+        return self.embed
+
     def qkv(self, tokens: Tensor, g: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(B, n) tokens, (B, n, H) states at (B, n) positions → q (B, heads, n, d), k and v
         (B, kv_heads, n, d), rotated."""
+        return self.qkv_embedded(self.embed(tokens).to(g.dtype), g, pos)
+
+    def qkv_embedded(self, e: Tensor, g: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`qkv` from the (B, n, H) token embeddings ``e`` instead of the tokens."""
         s = self.spec
-        x = torch.cat([self.input_layernorm(self.embed(tokens).to(g.dtype)), self.hidden_norm(g)], -1)  # (B, n, 2H)
+        x = torch.cat([self.input_layernorm(e), self.hidden_norm(g)], -1)  # (B, n, 2H)
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, s.heads, s.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, n, s.kv_heads, s.head_dim).transpose(1, 2)

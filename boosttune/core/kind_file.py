@@ -4,7 +4,8 @@ written before kinds were declared.
 Training writes the declaration when it publishes a drafter; ``boosttune.serving.kinds`` (the
 registry) builds the drafter of the kind it names. A directory without one (a run from before kinds
 were declared, or a hub SSM) is migrated here, explicitly: a feature head is recognised by its own
-format file (``core/feature_head.py``), anything else is an SSM.
+format file (``core/feature_head.py``), an EAGLE-3 head by its marker (``core/eagle3_head.py``),
+anything else is an SSM.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from boosttune.core.eagle3_head import SPEC_FILE as EAGLE3_FILE
 from boosttune.core.feature_head import FEATURE_FILE
 
 KIND_FILE = "drafter.json"
@@ -26,11 +28,13 @@ def declare_kind(directory: str | Path, name: str) -> None:
 
 def declared_kind(directory: str | Path) -> str:
     """The kind ``directory`` declares, or the migrated one for directories without a declaration
-    ("feature" where the feature head's format file is, else "ssm"). Whether the kind is registered
+    ("eagle3" where an EAGLE-3 head's marker is, "feature" where the feature head's format file is, else "ssm"). Whether the kind is registered
     is the registry's to say (``boosttune.serving.kinds.kind``)."""
     directory = Path(directory)
     declared = directory / KIND_FILE
     if not declared.is_file():
+        if (directory / EAGLE3_FILE).is_file():
+            return "eagle3"
         return "feature" if (directory / FEATURE_FILE).is_file() else "ssm"
     try:
         data: Any = json.loads(declared.read_text(encoding="utf-8"))

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from boosttune.core.files import sha256_file
+from boosttune.core.files import is_complete, sha256_file
 from boosttune.core.rundir import FEATURE_NAME, RunDir
 from boosttune.export.common import (
     STATS,
@@ -226,7 +226,7 @@ def export_bundle(
             when no learned scheduler decides (0: off; None: what the run's evaluation measured fastest
             with the drafters it shipped, when export chose them, else off).
         drafters: the run's drafters to ship, by name (ssm-K, and ``feature``, ``feature-K`` for the run's
-            feature heads). None: with a learned scheduler, the drafters it was trained to choose among per
+            feature heads, ``eagle3`` for its EAGLE-3 head). None: with a learned scheduler, the drafters it was trained to choose among per
             request (a bundle whose drafters differ from its scheduler's is refused when it loads);
             without one, every request drafts with every
             drafter shipped, so export ships what the run's evaluation measured fastest
@@ -240,6 +240,8 @@ def export_bundle(
     stages = stage_entries(run, report)
     ssm_dirs = run.ssm_dirs()
     ssm_dirs += run.feature_dirs()
+    if is_complete(run.eagle3_dir):
+        ssm_dirs.append(run.eagle3_dir)
     choice = None
     if drafters is None and run.scheduler_file.is_file():  # the drafters the learned scheduler chooses among
         try:

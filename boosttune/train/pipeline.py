@@ -826,7 +826,7 @@ def eagle3_phase(cfg: TrainConfig, run: RunDir, data: TeacherData, llm: RunLLM) 
          f"{after['tau']:.3f} (depth {ec.depth}; layer inputs {feature_seconds:.0f} s)")
     head.eval()  # fp32 throughout: autocast only ran the forward in bf16
     _publish_model(head, data.tokenizer, run.eagle3_dir, {"eagle3": True}, stats=summary,
-                   save=lambda tmp: head.save(tmp, {"llm_ref": cfg.llm.ref}))
+                   save=lambda tmp: head.save(tmp, {"llm_ref": cfg.llm.ref}), kind="eagle3")
     return summary
 
 
