@@ -519,6 +519,10 @@ def test_export_ships_what_the_run_measured_fastest_unless_told(tmp_path, capsys
     assert sched.choice is None and [s["name"] for s in _manifest(sched.bundle)["drafters"]] == ["ssm-1", "ssm-2"]
     fit_scheduler(synthetic_records(), costs(), SPEC, (1, 1), cfg, ["ssm-2", "ssm-1"]).save(RunDir(run).scheduler_file)
     assert [s["name"] for s in _manifest(export_bundle(run, tmp_path / "s2").bundle)["drafters"]] == ["ssm-1", "ssm-2"]
+    # --drafters other than the scheduler's: the bundle ships without it (it would be refused at load)
+    one = export_bundle(run, tmp_path / "one", drafters=["ssm-2"])
+    assert one.manifest.scheduler_dir is None and load_bundle(one.bundle).scheduler_dir is None
+    assert export_bundle(run, tmp_path / "same", drafters=["ssm-2", "ssm-1"]).manifest.scheduler_dir is not None
     atomic_write_json(RunDir(run).scheduler_file, {"kind": "test"})
     with pytest.raises(ValueError, match="scheduler"):
         export_bundle(run, tmp_path / "broken")

@@ -736,7 +736,7 @@ def test_eagle3_head_trains_on_a_finished_run_and_exports_for_llama_cpp(tiny_run
     bundle = export_bundle(run, tmp_path / "bundle", drafters=["eagle3"], prompt_lookup=3)
     entry = bundle.manifest.drafters[0]
     assert (entry.name, entry.kind, entry.tree.draft_vocab, len(entry.tree.widths)) == ("eagle3", "eagle3", 0, 3)
-    served = load(bundle=bundle.bundle, use_scheduler=False)
+    served = load(bundle=bundle.bundle)
     assert served.engine.llm.taps == (0, 1)
     prompt = served.llm.tokenizer("the cat sat on the mat and the cat")["input_ids"]
     stop = StopCriteria(max_new_tokens=16)

@@ -34,7 +34,8 @@ def add_commands(sub) -> dict:
     e.add_argument("--force", action="store_true", help="replace --out if it exists")
     e.add_argument("--drafters", default=None, metavar="NAMES",
                    help="bundle: the run's drafters to ship, comma-separated (ssm-1, ..., feature for the run's "
-                        "feature head); without a learned scheduler every request drafts with all of them. "
+                        "feature head, eagle3 for its EAGLE-3 head); without a learned scheduler every request "
+                        "drafts with all of them (a scheduler trained for other drafters is left out). "
                         "Default: with a scheduler, the drafters it chooses among; without one, what the run's "
                         "evaluation measured fastest (one SSM, the feature head, or all SSMs merged)")
     add_draft_vocab_arg(e, default="the run's tree's", scope="bundle")

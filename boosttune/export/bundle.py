@@ -227,7 +227,8 @@ def export_bundle(
             with the drafters it shipped, when export chose them, else off).
         drafters: the run's drafters to ship, by name (ssm-K, and ``feature``, ``feature-K`` for the run's
             feature heads, ``eagle3`` for its EAGLE-3 head). None: with a learned scheduler, the drafters it was trained to choose among per
-            request (a bundle whose drafters differ from its scheduler's is refused when it loads);
+            request; drafters named here that differ from the ones the run's scheduler chooses among ship
+            without it (it would be refused when the bundle loads: every request drafts with them all);
             without one, every request drafts with every
             drafter shipped, so export ships what the run's evaluation measured fastest
             (:func:`fastest_drafters`), or every SSM and the feature head when the run was not evaluated.
@@ -253,12 +254,19 @@ def export_bundle(
         choice = fastest_drafters(report.get("evaluation"), [d.name for d in ssm_dirs])
         if choice is not None:
             ssm_dirs = [d for d in ssm_dirs if d.name in choice.drafters]
+    ship_scheduler = run.scheduler_dir.is_dir()
     if drafters is not None:
         known = [d.name for d in ssm_dirs]
         unknown = [n for n in drafters if n not in known]
         if unknown or not drafters:
             raise ValueError(f"--drafters: the run has {known}, got {list(drafters)}")
         ssm_dirs = [d for d in ssm_dirs if d.name in drafters]
+        if run.scheduler_file.is_file():  # a scheduler for other drafters would be refused at load: left out
+            try:
+                planned = [n for n in Scheduler.load(run.scheduler_file).drafters if n != LOOKUP_NAME]
+            except SchedulerFileError:
+                planned = []
+            ship_scheduler = sorted(planned) == sorted(d.name for d in ssm_dirs)
     if not ssm_dirs:
         raise ValueError(f"{run}: no complete SSM under ssms/ (no complete.json); finish `boosttune train` first")
     check_out(out, run, force)
@@ -302,7 +310,7 @@ def export_bundle(
         if ranking is not None:
             shutil.copyfile(ranking, tmp / ranking.name)
         scheduler_files: list[str] = []
-        if run.scheduler_dir.is_dir():
+        if ship_scheduler:
             scheduler_files = [f"{SCHEDULER_DIR}/{f}" for f in _copy_scheduler(run.scheduler_dir, tmp / SCHEDULER_DIR)]
         llm = report["llm"]
         manifest = Manifest(
@@ -314,7 +322,7 @@ def export_bundle(
                          sha256=llm_hash, files=llm_file_hashes),
             tokenizer=TOKENIZER_DIR,
             drafters=drafters,
-            scheduler_dir=SCHEDULER_DIR if run.scheduler_dir.is_dir() else None,
+            scheduler_dir=SCHEDULER_DIR if ship_scheduler else None,
             scheduler_files=scheduler_files,
             files=_file_table(tmp),
             draft_vocab=ranking.name if ranking is not None else None,
