@@ -107,7 +107,7 @@ def ssm_names(n: int) -> list[str]:
 def engine_from_models(
     llm: PreTrainedModel, ssms: Mapping[str, PreTrainedModel] | Sequence[PreTrainedModel],
     tree: TreeConfig | Mapping[str, TreeConfig], ranking: Tensor | None = None, lookup: int = 0,
-    kinds: Mapping[str, str] | None = None, stack_ssms: bool = False,
+    kinds: Mapping[str, str] | None = None, stack_ssms: bool = False, lookup_depths: tuple[int, ...] = (),
 ) -> SpeculativeEngine:
     """An engine over ``llm`` with a drafter per model, each built by its kind (``serving/kinds.py``).
 
@@ -120,6 +120,7 @@ def engine_from_models(
         lookup: > 0 adds the prompt-lookup drafter (``LOOKUP_NAME``, ``lookup.py``) after the
             others, proposing up to that many tokens by default.
         kinds: each model's kind by name (absent: "ssm").
+        lookup_depths: prompt lookup's chain length per matched n-gram length (``TreeConfig.ngram_depths``).
         stack_ssms: SSMs of one shape draft together in one batched forward per depth
             (``serving/stacked.py``), each still a drafter of its own name; SSMs that cannot stack
             with any other draft separately. Off by default.
@@ -140,7 +141,7 @@ def engine_from_models(
     trees = {name: tree[name] if isinstance(tree, Mapping) else tree for name in named}
     if lookup:
         drafters[LOOKUP_NAME] = kind(PromptLookupKind.name).drafter(None, v, None)
-        trees[LOOKUP_NAME] = lookup_tree(lookup)
+        trees[LOOKUP_NAME] = lookup_tree(lookup, lookup_depths)
     return SpeculativeEngine(llm_runner(llm), drafters, Plan(trees))
 
 
@@ -212,15 +213,16 @@ def from_bundle(
     ranking = bundle.ranking if ranking is None else ranking
     if scheduler is not None:
         lookup = scheduler.lookup_length
-    elif lookup is None:
-        lookup = bundle.manifest.prompt_lookup
+    depths: tuple[int, ...] = ()
+    if scheduler is None and lookup is None:  # the bundle's prompt lookup, with its per-match table if any
+        lookup, depths = bundle.manifest.prompt_lookup, bundle.manifest.lookup_depths
     needs = [*(t.draft_vocab for t in trees.values()), scheduler.draft_vocab if scheduler is not None else 0]
     if any(needs) and ranking is None:
         raise ValueError(f"--draft-vocab {max(needs)}: this bundle has no token ranking; pass --draft-ranking "
                          "RUN_DIR (its training run) or re-export it")
     named = {d.name: bundle.models[d.name] for d in entries}
     engine = engine_from_models(bundle.llm.model, {n: s.model for n, s in named.items()}, trees, ranking, lookup,
-                                kinds={d.name: d.kind for d in entries})
+                                kinds={d.name: d.kind for d in entries}, lookup_depths=depths)
     return Served(engine, bundle.llm, named, ranking, scheduler)
 
 

@@ -191,6 +191,12 @@ class Manifest:
         """Prompt lookup's default chain length (0: the bundle drafts without it)."""
         return max((d.tree.max_depth for d in self.drafters if d.kind == LOOKUP_KIND), default=0)
 
+    @property
+    def lookup_depths(self) -> tuple[int, ...]:
+        """Prompt lookup's chain length per matched n-gram length (``TreeConfig.ngram_depths``: a table a
+        run's scheduler learned), () for its whole chain after every match."""
+        return next((d.tree.ngram_depths for d in self.drafters if d.kind == LOOKUP_KIND), ())
+
     def to_json(self) -> dict[str, Any]:
         """The manifest.json object (what :func:`parse_manifest` reads back)."""
         scheduler = None if self.scheduler_dir is None else {"dir": self.scheduler_dir, "files": list(self.scheduler_files)}

@@ -333,6 +333,16 @@ def test_bundle_default_prompt_lookup_serves_without_a_scheduler(tmp_path):
     ids = b.llm.tokenizer("the cat sat on the mat and the cat sat on the")["input_ids"]
     stop = StopCriteria(max_new_tokens=16)
     assert engine.generate(ids, stop).tokens == incremental_generate(b.llm.model, ids, stop).tokens
+    # a per-match table in the manifest's prompt-lookup tree (a scheduler's, exported without it) is served
+    table = Path(shutil.copytree(out, tmp_path / "table"))
+    m = _manifest(table)
+    m["drafters"][1]["tree"]["ngram_depths"] = [1, 2]
+    _write_manifest(table, m)
+    from boosttune.assemble import from_bundle
+
+    served = from_bundle(load_bundle(table))
+    assert served.engine.plan.trees[LOOKUP_NAME].ngram_depths == (1, 2)
+    assert served.engine.generate(ids, stop).tokens == incremental_generate(b.llm.model, ids, stop).tokens
     with pytest.raises(ValueError, match="--prompt-lookup"):
         export_bundle(bare, tmp_path / "b2", prompt_lookup=-1)
     m = _manifest(out)

@@ -709,6 +709,8 @@ def test_eagle3_head_trains_on_a_finished_run_and_exports_for_llama_cpp(tiny_run
     e3 = report["eagle3"]
     assert e3["train"]["steps"] == 3 and e3["samples"] == 48 and e3["held_out_samples"] == 12
     assert e3["layers"] == [0, 1, 1] and 1.0 <= e3["held_out"]["tau"] <= 1 + e3["config"]["depth"]
+    served_e3 = report["evaluation"]["eagle3"]  # the run's evaluation serves it beside the SSMs
+    assert served_e3["widths"] == [1, 1, 1] and served_e3["tau"] >= 1.0 and served_e3["speedup"] > 0
     assert len(e3["held_out"]["accept_rate"]) == 3 and e3["held_out"]["chains"] > 0
     assert is_eagle3_dir(run / "eagle3") and (run / "eagle3" / "complete.json").is_file()
     assert (run / "ssms" / "ssm-1" / "model.safetensors").stat().st_mtime_ns == ssm_before  # SSMs reused

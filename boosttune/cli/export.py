@@ -71,6 +71,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _export_bundle(args: argparse.Namespace) -> int:
     from boosttune.core.rundir import RunDir
     from boosttune.export.bundle import export_bundle
+    from boosttune.serving import kinds
     from boosttune.train.draft_ranking import ensure_draft_ranking
 
     if args.draft_vocab is not None and args.draft_vocab < 0:
@@ -82,7 +83,9 @@ def _export_bundle(args: argparse.Namespace) -> int:
     res = export_bundle(run, args.out, force=args.force, draft_vocab=args.draft_vocab, drafters=drafters,
                         prompt_lookup=args.prompt_lookup)
     m = res.manifest
-    drafters = ", ".join(f"{d.name} ({d.kind}, draft vocabulary {d.tree.draft_vocab or 'whole'})" for d in m.models)
+    vocab = {kinds.Eagle3Kind.name: "its own"}  # an EAGLE-3 head's LM head is its draft vocabulary
+    drafters = ", ".join(f"{d.name} ({d.kind}, draft vocabulary {vocab.get(d.kind) or d.tree.draft_vocab or 'whole'})"
+                         for d in m.models)
     print(
         f"bundle {res.bundle}: LLM {m.llm.ref} (sha256 {m.llm.sha256[:12]}), drafters {drafters}, "
         f"scheduler {m.scheduler_dir or 'none'}, prompt lookup {m.prompt_lookup or 'off'}, "

@@ -86,7 +86,8 @@ class Choice:
 
 def fastest_drafters(evaluation: dict | None, available: Sequence[str]) -> Choice | None:
     """The option of a run's evaluation with the highest speed-up whose drafters are all ``available``:
-    each SSM alone, each feature head alone, all SSMs merged (the ensemble) or all feature heads merged,
+    each SSM alone, each feature head alone, the EAGLE-3 head alone, all SSMs merged (the ensemble) or all
+    feature heads merged,
     each with or without
     prompt lookup where the evaluation measured both. None when the run was not evaluated
     (``eval.enabled: false``, or a report from before evaluation measured speed)."""
@@ -102,6 +103,8 @@ def fastest_drafters(evaluation: dict | None, available: Sequence[str]) -> Choic
     merged = evaluation.get("feature_ensemble")
     if isinstance(merged, dict) and "speedup" in merged and isinstance(merged.get("drafters"), list):
         rows["feature ensemble"] = ([str(n) for n in merged["drafters"]], merged)
+    if isinstance(evaluation.get("eagle3"), dict) and "speedup" in evaluation["eagle3"]:
+        rows["eagle3"] = (["eagle3"], evaluation["eagle3"])
     if isinstance(evaluation.get("ensemble"), dict) and "speedup" in evaluation["ensemble"]:
         rows["ensemble"] = ([s["ssm"] for s in singles], evaluation["ensemble"])
     options: dict[str, tuple[list[str], float, int]] = {}
@@ -228,7 +231,8 @@ def export_bundle(
         drafters: the run's drafters to ship, by name (ssm-K, and ``feature``, ``feature-K`` for the run's
             feature heads, ``eagle3`` for its EAGLE-3 head). None: with a learned scheduler, the drafters it was trained to choose among per
             request; drafters named here that differ from the ones the run's scheduler chooses among ship
-            without it (it would be refused when the bundle loads: every request drafts with them all);
+            without it (it would be refused when the bundle loads: every request drafts with them all), but
+            with the per-match prompt-lookup table it learned (``TreeConfig.ngram_depths``), if any;
             without one, every request drafts with every
             drafter shipped, so export ships what the run's evaluation measured fastest
             (:func:`fastest_drafters`), or every SSM and the feature head when the run was not evaluated.
@@ -255,6 +259,7 @@ def export_bundle(
         if choice is not None:
             ssm_dirs = [d for d in ssm_dirs if d.name in choice.drafters]
     ship_scheduler = run.scheduler_dir.is_dir()
+    lookup_depths: tuple[int, ...] = ()  # the scheduler's per-match prompt-lookup table, where it is left out
     if drafters is not None:
         known = [d.name for d in ssm_dirs]
         unknown = [n for n in drafters if n not in known]
@@ -263,10 +268,12 @@ def export_bundle(
         ssm_dirs = [d for d in ssm_dirs if d.name in drafters]
         if run.scheduler_file.is_file():  # a scheduler for other drafters would be refused at load: left out
             try:
-                planned = [n for n in Scheduler.load(run.scheduler_file).drafters if n != LOOKUP_NAME]
-            except SchedulerFileError:
-                planned = []
-            ship_scheduler = sorted(planned) == sorted(d.name for d in ssm_dirs)
+                sched = Scheduler.load(run.scheduler_file)
+            except SchedulerFileError as e:
+                raise ValueError(f"the run's learned scheduler cannot be read: {e}") from None
+            ship_scheduler = sorted(n for n in sched.drafters if n != LOOKUP_NAME) == sorted(d.name for d in ssm_dirs)
+            if not ship_scheduler:
+                lookup_depths = tuple(sched.lookup_depths)
     if not ssm_dirs:
         raise ValueError(f"{run}: no complete SSM under ssms/ (no complete.json); finish `boosttune train` first")
     check_out(out, run, force)
@@ -306,7 +313,7 @@ def export_bundle(
             drafters.append(ssm_entry(ssm, rel, stages.get(str(ssm.dir), {}), position, profile, kind, tree_of))
         if prompt_lookup:
             drafters.append(DrafterEntry(name=LOOKUP_NAME, kind=kinds.PromptLookupKind.name, stage=0,
-                                         tree=lookup_tree(int(prompt_lookup))))
+                                         tree=lookup_tree(int(prompt_lookup), lookup_depths)))
         if ranking is not None:
             shutil.copyfile(ranking, tmp / ranking.name)
         scheduler_files: list[str] = []

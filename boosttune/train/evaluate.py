@@ -1,5 +1,5 @@
 """τ of a training run's drafters with the serving engine: each SSM alone and the merged ensemble, each
-feature head alone and, with several, the heads merged.
+feature head alone and, with several, the heads merged, and the EAGLE-3 head alone.
 
 Greedy decoding of held-out prompts (``eval.prompts``, else the run's held-out prompts) with the
 LLM in ``llm.eval_dtype``; every SSM drafts the ``tree:`` section's tree (the one a bundle of the run
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from boosttune.assemble import engine_from_models
 from boosttune.config import TrainConfig
+from boosttune.core.files import is_complete
 from boosttune.core.models import LoadedModel, dtype_name, eos_token_ids, load_model, load_ssms
 from boosttune.core.progress import progress
 from boosttune.core.prompts import encode_prompt, read_prompts
@@ -96,6 +97,8 @@ def evaluate_run(cfg: TrainConfig, run: RunDir, held_out: list[TrainPrompt], ssm
             merged = out["feature_ensemble"] = feature_tau(cfg, run, llm.model, tree, prompts, stop, plain, heads)
             merged["drafters"] = [d.name for d in heads]
             out["feature_ensemble_gain_over_best_single"] = merged["tau"] / max(r["tau"] for r in alone) - 1
+    if cfg.eagle3.enabled and is_complete(run.eagle3_dir):  # the EAGLE-3 head alone, on its own tree
+        out["eagle3"] = eagle3_tau(cfg, run, llm.model, tree, prompts, stop, plain)
     best = max((s["tau"] for s in out["singles"]), default=0.0)
     if "ensemble" in out and best:
         out["ensemble_gain_over_best_single"] = out["ensemble"]["tau"] / best - 1
@@ -118,6 +121,18 @@ def feature_tau(cfg: TrainConfig, run: RunDir, llm, tree: TreeConfig, prompts: l
     r = _option(llm, models, tree, ranking, prompts, stop, plain, cfg.eval.prompt_lookup,
                 kinds={name: kind.name for name in models})
     return {**r, "c": relative_cost(r, plain, tree.max_depth), "draft_vocab": tree.draft_vocab}
+
+
+def eagle3_tau(cfg: TrainConfig, run: RunDir, llm, tree: TreeConfig, prompts: list[list[int]], stop: StopCriteria,
+               plain: dict) -> dict:
+    """τ, speed and c of the run's EAGLE-3 head on the tree it serves by default (``Eagle3Kind.trained_tree``);
+    with ``eval.prompt_lookup``, also merged with prompt lookup."""
+    kind = kinds.kind(kinds.Eagle3Kind.name)
+    head = kind.load(run.eagle3_dir, llm.dtype, llm.device, llm=llm)
+    tree = kind.trained_tree(run.eagle3_dir, tree)
+    r = _option(llm, {run.eagle3_dir.name: head}, tree, None, prompts, stop, plain, cfg.eval.prompt_lookup,
+                kinds={run.eagle3_dir.name: kind.name})
+    return {**r, "c": relative_cost(r, plain, tree.max_depth), "widths": list(tree.widths)}
 
 
 def _option(llm, drafters, tree: TreeConfig, ranking, prompts: list[list[int]], stop: StopCriteria, plain: dict,

@@ -893,9 +893,12 @@ def forget_results(cfg: TrainConfig, run: RunDir) -> None:
 
 # ------------------------------------------------------------------------------------------ report
 def eval_settings(cfg: TrainConfig) -> dict:
-    """What the τ evaluation of a run's SSMs depends on besides the SSMs (JSON types)."""
+    """What the τ evaluation of a run's SSMs depends on besides the SSMs (JSON types); with ``eagle3.enabled``
+    also its settings, so that a head trained (or trained again) on a finished run is evaluated, and the
+    scheduler, which does not route it, is kept."""
+    e3 = {"eagle3": asdict(cfg.eagle3)} if cfg.eagle3.enabled else {}
     return json.loads(json.dumps({"eval": to_dict(cfg.eval), "tree": asdict(cfg.tree),
-                                  "eval_dtype": cfg.llm.eval_dtype, "feature": cfg.feature.enabled}))
+                                  "eval_dtype": cfg.llm.eval_dtype, "feature": cfg.feature.enabled, **e3}))
 
 
 def _read_report(run: RunDir) -> dict | None:
