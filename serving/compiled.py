@@ -179,7 +179,8 @@ class CompiledForward(torch.nn.Module):
         logits = op(last, self._head).float()  # (T, V), or (T, K) over a draft vocabulary
         if head_ids is not None:  # ModelRunner._restricted_logits
             logits = logits.new_full((t, self._vocab), float("-inf")).index_copy(1, head_ids, logits)
-        return logits, torch.cat([last, *(tapped[i] for i in self.taps)], -1).float()
+        hidden = torch.cat([last, *(tapped[i] for i in self.taps)], -1) if self.taps else last
+        return logits, hidden.float()
 
 
 def compile_runner(runner: LeanRunner, warm_up: bool = True) -> float:

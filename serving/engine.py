@@ -374,8 +374,9 @@ def reader_features(hidden: Tensor, width: int, taps: Sequence[int], layers: Seq
     empty, else the (n, len(layers) H) inputs of ``layers`` in their order."""
     if not layers:
         return hidden[:, :width]
-    blocks = hidden.view(hidden.shape[0], 1 + len(taps), width)
-    return blocks[:, [1 + list(taps).index(i) for i in layers]].reshape(hidden.shape[0], -1)
+    n = hidden.shape[0]  # 0 for a one-token prompt's prefill
+    blocks = hidden.view(n, 1 + len(taps), width)
+    return blocks[:, [1 + list(taps).index(i) for i in layers]].reshape(n, len(layers) * width)
 
 
 def _draft(

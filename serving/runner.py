@@ -186,8 +186,8 @@ class ModelRunner:
         self, inputs: Tensor, position_ids: Tensor, prefix_len: int, tree_mask: Tensor
     ) -> tuple[Tensor, Tensor]:
         """Like :meth:`forward`, but returns the (T, V) fp32 logits and the (T, H) fp32 last-layer
-        hidden states (with ``taps``, the tapped layers' inputs after them); ``inputs`` are (1, T) token ids or (1, T, H) input embeddings (a feature
-        drafter feeds embeddings it computed itself)."""
+        hidden states (with ``taps``, the tapped layers' inputs after them); ``inputs`` are (1, T) token
+        ids or (1, T, H) input embeddings (a feature drafter feeds embeddings it computed itself)."""
         logits, hidden = self._run(inputs, position_ids, prefix_len, tree_mask, hidden=True)
         assert hidden is not None
         return logits, hidden

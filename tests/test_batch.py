@@ -25,11 +25,23 @@ def models():
     return llm, perturbed(llm, 1, 0.3), noisy_head(llm, 2, 0.2)
 
 
+def _eagle3(llm):
+    """An EAGLE-3 head over 40 of the 64 tokens, reading layer 0's input and layer 1's twice."""
+    from boosttune.core.eagle3_head import Eagle3Spec
+    from boosttune.train.eagle3 import init_head
+
+    head = init_head(llm, Eagle3Spec.from_llm(llm.config, 40, (0, 1, 1)), torch.arange(3, 43))
+    return head.eval().requires_grad_(False)
+
+
 def _engine(models, kinds=("ssm", "feature"), lookup=4) -> SpeculativeEngine:
     llm, ssm, head = models
     drafters = {"ssm": ssm, "feature": head}
+    if "eagle3" in kinds:
+        drafters["eagle3"] = _eagle3(llm)
     named = {k: drafters[k] for k in kinds}
-    trees = {"ssm": TreeConfig(widths=(2, 2, 1)), "feature": TreeConfig(widths=(3, 1))}
+    trees = {"ssm": TreeConfig(widths=(2, 2, 1)), "feature": TreeConfig(widths=(3, 1)),
+             "eagle3": TreeConfig(widths=(2, 1, 1))}
     return engine_from_models(llm, named, {k: trees[k] for k in kinds}, lookup=lookup,
                               kinds={k: k for k in kinds})
 
@@ -110,6 +122,15 @@ def test_greedy_requests_joining_mid_stream_decode_as_alone(models, max_tokens):
     batch = BatchedDecoder(engine, max_batch=5, max_tokens=max_tokens, draft_max_batch=5)
     got = _run_batch(batch, {0: [0, 1, 2], 2: [3], 5: [4]})
     assert got == want
+
+
+def test_requests_with_an_eagle3_head_decode_as_alone(models):
+    """The LLM's taps (the head's layer inputs) come out of the batched forward for every request."""
+    engine = _engine(models, kinds=("feature", "eagle3"))
+    assert engine.llm.taps == (0, 1)
+    want = {i: _alone(engine, i) for i in range(len(PROMPTS))}
+    batch = BatchedDecoder(engine, max_batch=5, max_tokens=64, draft_max_batch=5)
+    assert _run_batch(batch, {0: [0, 1, 2], 2: [3], 5: [4]}) == want
 
 
 def test_sampled_requests_decode_as_alone_with_their_seeds(models):

@@ -77,6 +77,7 @@ def test_reader_features_pick_each_drafters_layers():
     h = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 12)  # 2 rows, last + taps (1, 2, 5), width 3
     torch.testing.assert_close(reader_features(h, 3, (1, 2, 5), ()), h[:, :3])
     torch.testing.assert_close(reader_features(h, 3, (1, 2, 5), (5, 1)), torch.cat([h[:, 9:12], h[:, 3:6]], 1))
+    assert reader_features(h[:0], 3, (1, 2, 5), (5, 1)).shape == (0, 6)  # a one-token prompt's prefill
 
 
 def _features(llm, committed: torch.Tensor) -> torch.Tensor:
@@ -172,6 +173,11 @@ def test_the_kind_checks_and_loads_a_saved_head(llm4, tmp_path):
     assert tree.widths == (3, 1, 1) and tree.draft_vocab == 0 and tree.min_prob == kind.MIN_PROB
     with pytest.raises(ValueError, match="with its LLM"):
         kind.load(tmp_path / "e3", torch.float32)
+    from boosttune.assemble import engine_from_models
+
+    with pytest.raises(ValueError, match="its own vocabulary"):  # refused when the engine is built
+        engine_from_models(llm4, {"eagle3": loaded}, TreeConfig(widths=(3,), draft_vocab=8), kinds={"eagle3": "eagle3"})
+    assert engine_from_models(llm4, {"eagle3": loaded}, tree, kinds={"eagle3": "eagle3"}).llm.taps == LAYERS
     spec = json.loads((tmp_path / "e3" / "eagle3_head.json").read_text())
     spec["spec"]["draft_vocab"] = 30  # the weights hold 22 rows
     (tmp_path / "e3" / "eagle3_head.json").write_text(json.dumps(spec))
