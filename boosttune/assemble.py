@@ -31,7 +31,7 @@ from boosttune.serving.bundle import LoadedBundle, load_bundle
 from boosttune.serving.draft_vocab import ranking_for
 from boosttune.serving.drafter import Drafter
 from boosttune.serving.engine import GenerationResult, Plan, Planner, SpeculativeEngine, TokenCallback
-from boosttune.serving.kinds import Eagle3Kind, PromptLookupKind, SSMKind, kind
+from boosttune.serving.kinds import PromptLookupKind, SSMKind, kind
 from boosttune.serving.lean import llm_runner
 from boosttune.serving.lookup import LOOKUP_NAME, lookup_tree
 from boosttune.serving.sampling import SamplingParams
@@ -139,10 +139,8 @@ def engine_from_models(
         for name, m in named.items()
     }
     trees = {name: tree[name] if isinstance(tree, Mapping) else tree for name in named}
-    own = [n for n in named if kinds.get(n) == Eagle3Kind.name and trees[n].draft_vocab]
-    if own:  # refused here, not at the first draft of a request
-        raise ValueError(f"--draft-vocab: {own[0]} is an EAGLE-3 head, which drafts over its own vocabulary; "
-                         "give it a tree with draft vocabulary 0 (--draft-vocab 0)")
+    for name in named:  # refused here, not at the first draft of a request
+        kind(kinds.get(name, SSMKind.name)).check_tree(trees[name])
     if lookup:
         drafters[LOOKUP_NAME] = kind(PromptLookupKind.name).drafter(None, v, None)
         trees[LOOKUP_NAME] = lookup_tree(lookup, lookup_depths)

@@ -52,6 +52,14 @@ class DrafterKind:
     """Whether a drafter of this kind has a directory with a model (False: built from its tree alone)."""
     phase: ClassVar[str] = ""
     """The `boosttune train` phase that trains it ("" for kinds that need no training)."""
+    own_vocabulary: ClassVar[bool] = False
+    """Whether it drafts over a vocabulary of its own (its LM head's rows), never a tree's ``draft_vocab``."""
+
+    def check_tree(self, tree: TreeConfig) -> None:
+        """Refuse (a ``ValueError`` naming the flag) a tree this kind cannot draft, before any request."""
+        if self.own_vocabulary and tree.draft_vocab:
+            raise ValueError(f"--draft-vocab: a {self.name} drafter drafts over its own vocabulary; give it a tree "
+                             "with draft vocabulary 0 (--draft-vocab 0)")
 
     def check(self, directory: Path) -> None:
         """Refuse ``directory`` (a ``ValueError`` naming the file) if it lacks what this kind needs:
@@ -140,6 +148,18 @@ class DrafterKind:
     def trained_tree(self, directory: Path | None, tree: TreeConfig) -> TreeConfig:
         """The tree this drafter drafts by default, given the run's ``tree``."""
         return tree
+
+
+def header_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in safetensors ``file``, from its header (no weights read); a ``ValueError``
+    naming the file when it is not one."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(file, framework="pt") as st:
+            return {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: not a valid safetensors file ({e})") from None
 
 
 def load_causal_lm(directory: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> nn.Module:
@@ -250,13 +270,7 @@ class FeatureKind(DrafterKind):
     @staticmethod
     def check_projection(fc_file: Path, hidden: int) -> None:
         """The projection file holds exactly one tensor ``weight`` of shape (H, 2H) (headers only)."""
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(fc_file, framework="pt") as st:
-                found = {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"{fc_file}: not a valid safetensors file ({e})") from None
+        found = header_shapes(fc_file)
         if set(found) != {"weight"}:
             raise ValueError(f"{fc_file}: must hold exactly one tensor 'weight', holds {sorted(found)[:4]}")
         if found["weight"] != (hidden, 2 * hidden):
@@ -311,29 +325,17 @@ class Eagle3Kind(DrafterKind):
 
     name = "eagle3"
     phase = "eagle3"
+    own_vocabulary = True
 
     def check(self, directory):
-        from boosttune.core.eagle3_head import WEIGHTS_FILE, read_spec
+        from boosttune.core.eagle3_head import WEIGHTS_FILE, hf_shapes, read_spec
 
         spec = read_spec(directory)  # a ValueError naming the marker
         weights = directory / WEIGHTS_FILE
         if not weights.is_file():
             raise ValueError(f"{directory}: no {WEIGHTS_FILE}; an EAGLE-3 head's weights are missing")
-        h, ht, a, kv = spec.hidden, spec.target_hidden, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
-        need = {"fc.weight": (h, 3 * ht), "norm.weight": (h,), "lm_head.weight": (spec.draft_vocab, h),
-                "d2t": (spec.draft_vocab,), "t2d": (spec.vocab,),
-                **{f"midlayer.{n}.weight": (h,) for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")},
-                "midlayer.self_attn.q_proj.weight": (a, 2 * h), "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
-                "midlayer.self_attn.v_proj.weight": (kv, 2 * h), "midlayer.self_attn.o_proj.weight": (h, a),
-                "midlayer.mlp.gate_proj.weight": (spec.intermediate, h), "midlayer.mlp.up_proj.weight": (spec.intermediate, h),
-                "midlayer.mlp.down_proj.weight": (h, spec.intermediate)}
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(weights, framework="pt") as st:
-                found = {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"{weights}: not a valid safetensors file ({e})") from None
+        need = hf_shapes(spec)
+        found = header_shapes(weights)
         if set(found) != set(need):
             raise ValueError(f"{weights}: tensors {sorted(set(found) ^ set(need))[:4]} differ from an EAGLE-3 head's")
         for key, shape in need.items():

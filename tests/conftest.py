@@ -51,6 +51,21 @@ def tiny_llama(seed: int, vocab: int = 64, layers: int = 2, hidden: int = 32, in
     return model
 
 
+def greedy_samples(llm: LlamaForCausalLM, n: int = 12, seed: int = 7) -> list:
+    """``n`` training samples of the LLM's own greedy continuations (12 tokens after 4 random ones): what
+    a teacher writes, for the heads' training tests."""
+    from boosttune.train.distill import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(n):
+        prompt = torch.randint(2, llm.config.vocab_size, (4,), generator=g)
+        with torch.no_grad():
+            ids = llm.generate(prompt[None], max_new_tokens=12, do_sample=False, min_new_tokens=12)[0]
+        samples.append(Sample(ids=ids.tolist(), prompt_len=4))
+    return samples
+
+
 def perturbed(model: LlamaForCausalLM, seed: int, noise: float) -> LlamaForCausalLM:
     """A copy of ``model`` with Gaussian noise on every weight: an SSM that agrees partly."""
     other = copy.deepcopy(model)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import greedy_samples, tiny_llama
 
 from boosttune.config import Eagle3Config
 from boosttune.core.eagle3_head import Eagle3Head, Eagle3Spec, default_layers, is_eagle3_dir, load_head
@@ -158,14 +158,7 @@ def test_padding_does_not_change_a_sample(llm4):
 def test_training_lowers_the_loss_and_raises_acceptance(llm4):
     rows = torch.arange(64)  # the whole vocabulary: every token can be drafted
     head = init_head(llm4, _spec(llm4, 64), rows)
-    # the LLM's own greedy continuations: what the teacher writes
-    samples = []
-    g = torch.Generator().manual_seed(7)
-    for _ in range(12):
-        prompt = torch.randint(2, 64, (4,), generator=g)
-        with torch.no_grad():
-            ids = llm4.generate(prompt[None], max_new_tokens=12, do_sample=False, min_new_tokens=12)[0]
-        samples.append(Sample(ids=ids.tolist(), prompt_len=4))
+    samples = greedy_samples(llm4)  # the LLM's own greedy continuations: what the teacher writes
     feats = layer_features(llm4, samples, LAYERS)
     w = llm4.lm_head.weight.detach()[rows]
     cfg = Eagle3Config(enabled=True, minutes=0, max_steps=60, depth=3, lr=5e-3, batch_tokens=128)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import greedy_samples, tiny_llama
 
 from boosttune.config import Eagle3Config
 from boosttune.core.eagle3_head import Eagle3Head, Eagle3Spec
@@ -22,7 +22,6 @@ from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
 from boosttune.serving.tree import TreeConfig
-from boosttune.train.distill import Sample
 from boosttune.train.eagle3 import init_head, layer_features, train_eagle3
 
 LAYERS = (0, 1, 3)
@@ -127,13 +126,7 @@ def _trained_head(llm) -> Eagle3Head:
     """A head trained a little on the LLM's own greedy continuations, so that its drafts get accepted."""
     rows = torch.arange(64)
     head = init_head(llm, Eagle3Spec.from_llm(llm.config, 64, LAYERS), rows)
-    g = torch.Generator().manual_seed(7)
-    samples = []
-    for _ in range(12):
-        prompt = torch.randint(2, 64, (4,), generator=g)
-        with torch.no_grad():
-            ids = llm.generate(prompt[None], max_new_tokens=12, do_sample=False, min_new_tokens=12)[0]
-        samples.append(Sample(ids=ids.tolist(), prompt_len=4))
+    samples = greedy_samples(llm)
     feats = layer_features(llm, samples, LAYERS)
     train_eagle3(head, samples, feats, llm.lm_head.weight.detach()[rows],
                  Eagle3Config(enabled=True, minutes=0, max_steps=60, depth=3, lr=5e-3, batch_tokens=128))

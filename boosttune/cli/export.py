@@ -83,9 +83,10 @@ def _export_bundle(args: argparse.Namespace) -> int:
     res = export_bundle(run, args.out, force=args.force, draft_vocab=args.draft_vocab, drafters=drafters,
                         prompt_lookup=args.prompt_lookup)
     m = res.manifest
-    vocab = {kinds.Eagle3Kind.name: "its own"}  # an EAGLE-3 head's LM head is its draft vocabulary
-    drafters = ", ".join(f"{d.name} ({d.kind}, draft vocabulary {vocab.get(d.kind) or d.tree.draft_vocab or 'whole'})"
-                         for d in m.models)
+    def vocab(d) -> str | int:
+        return "its own" if kinds.kind(d.kind).own_vocabulary else d.tree.draft_vocab or "whole"
+
+    drafters = ", ".join(f"{d.name} ({d.kind}, draft vocabulary {vocab(d)})" for d in m.models)
     print(
         f"bundle {res.bundle}: LLM {m.llm.ref} (sha256 {m.llm.sha256[:12]}), drafters {drafters}, "
         f"scheduler {m.scheduler_dir or 'none'}, prompt lookup {m.prompt_lookup or 'off'}, "

@@ -261,15 +261,30 @@ _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
+def _hf_names() -> dict[str, str]:
+    """The HF EAGLE-3 checkpoint's name of each of the head's trained weights → its name here (``d2t`` and
+    ``t2d`` aside: buffers, written in the checkpoint's own form)."""
+    names = {n: n for n in ("fc.weight", "norm.weight", "lm_head.weight")}
+    names |= {f"midlayer.{n}.weight": f"{n}.weight" for n in _LAYER}
+    names |= {f"midlayer.self_attn.{n}.weight": f"{n}.weight" for n in _ATTN}
+    names |= {f"midlayer.mlp.{n}.weight": f"{n}.weight" for n in _MLP}
+    return names
+
+
+def hf_shapes(spec: Eagle3Spec) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of a head of ``spec`` in the HF EAGLE-3 checkpoint (built on the meta
+    device: nothing allocated), what a saved head's file must hold."""
+    with torch.device("meta"):
+        head = Eagle3Head(spec, torch.empty(spec.vocab, spec.hidden), torch.empty(spec.draft_vocab, dtype=torch.long))
+    params = dict(head.named_parameters())
+    shapes = {hf: tuple(params[ours].shape) for hf, ours in _hf_names().items()}
+    return shapes | {"d2t": (spec.draft_vocab,), "t2d": (spec.vocab,)}
+
+
 def hf_state(head: Eagle3Head) -> dict[str, Tensor]:
     """The head's weights under the HF EAGLE-3 checkpoint's names (fp32, contiguous)."""
-    def w(mod: nn.Module) -> Tensor:
-        return mod.weight.detach().float().cpu().contiguous()
-
-    state = {"fc.weight": w(head.fc), "norm.weight": w(head.norm), "lm_head.weight": w(head.lm_head)}
-    state |= {f"midlayer.{n}.weight": w(getattr(head, n)) for n in _LAYER}
-    state |= {f"midlayer.self_attn.{n}.weight": w(getattr(head, n)) for n in _ATTN}
-    state |= {f"midlayer.mlp.{n}.weight": w(getattr(head, n)) for n in _MLP}
+    params = dict(head.named_parameters())
+    state = {hf: params[ours].detach().float().cpu().contiguous() for hf, ours in _hf_names().items()}
     d2t = head.d2t.cpu()
     state["d2t"] = (d2t - torch.arange(len(d2t))).contiguous()  # offsets: target id = k + d2t[k]
     t2d = torch.zeros(head.spec.vocab, dtype=torch.bool)
@@ -307,10 +322,7 @@ def load_head(path: str | Path, embed: Tensor) -> Eagle3Head:
     offsets = state.pop("d2t")
     state.pop("t2d", None)
     head = Eagle3Head(spec, embed, offsets + torch.arange(len(offsets)))
-    mine = {"fc.weight": "fc.weight", "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight"}
-    mine |= {f"midlayer.{n}.weight": f"{n}.weight" for n in _LAYER}
-    mine |= {f"midlayer.self_attn.{n}.weight": f"{n}.weight" for n in _ATTN}
-    mine |= {f"midlayer.mlp.{n}.weight": f"{n}.weight" for n in _MLP}
+    mine = _hf_names()
     if set(state) != set(mine):
         raise ValueError(f"{path / WEIGHTS_FILE}: tensors {sorted(set(state) ^ set(mine))[:4]} differ from an EAGLE-3 head's")
     head.load_state_dict({mine[k]: v for k, v in state.items()} | {"embed.weight": head.embed.weight}, strict=True)
