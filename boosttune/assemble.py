@@ -78,6 +78,21 @@ class Served:
         return tree.max_depth if tree is not None else 0
 
 
+def quantize_llm(engine: SpeculativeEngine, scheme: str) -> int:
+    """Serve ``engine``'s LLM with weight-only ``scheme`` ("int8" or "int4") products from now on
+    (``serving/quantize.py``; plain decoding and verification alike, so decoding stays lossless with
+    respect to the quantized LLM); before ``compile_served``, and before a batch spawns runners. Returns the bytes of the quantized weights.
+    Raises ValueError naming ``--quantize`` where the LLM cannot be (not the lean CPU forward, a weight
+    shape the kernel refuses), before anything changes. Drafters keep their weights."""
+    from boosttune.serving.lean import LeanRunner
+
+    llm = engine.llm
+    if not isinstance(llm, LeanRunner):
+        raise ValueError(f"--quantize {scheme}: the LLM runs through {type(llm).__name__}, not the lean CPU forward "
+                         "(a llama-architecture model on the CPU); leave --quantize off for this LLM")
+    return llm.quantize(scheme)
+
+
 def compile_served(served: Served) -> float:
     """Compile the forward of ``served``'s LLM and of each drafter that runs the lean CPU forward (SSMs,
     feature heads; ``serving/compiled.py``), with their graphs, now; returns the seconds it took.

@@ -84,6 +84,8 @@ class BenchConfig:
             it (llama-server runs where its build runs).
         compile: compile the CPU forward of the LLM and the drafters (``serving/compiled.py``)
             before any method runs; baseline and ours then both run the compiled LLM.
+        quantize: "int8" or "int4": the LLM's products with weight-only quantized weights
+            (``serving/quantize.py``) for baseline and ours alike; None keeps its dtype's weights.
     """
 
     questions: str
@@ -108,6 +110,7 @@ class BenchConfig:
     llama_draft_max: int | None = None
     device: str = "auto"
     compile: bool = False
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         if self.methods is None:
@@ -290,6 +293,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         bundle=cfg.bundle, llm=cfg.llm, ssms=cfg.ssms, dtype=cfg.dtype, ssm_dtype=cfg.ssm_dtype, tree=cfg.tree,
         draft_ranking=cfg.draft_ranking, lookup=cfg.prompt_lookup, use_scheduler=cfg.use_scheduler, device=cfg.device,
     )
+    if cfg.quantize:
+        assemble.quantize_llm(served.engine, cfg.quantize)
     compile_s = assemble.compile_served(served) if cfg.compile else None
     llm, ssms = served.llm, list(served.models.values())
     tok = llm.tokenizer
@@ -387,6 +392,7 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, serv
         "baseline_tokens_per_s": tps("baseline"),
         "llm_runner": type(served.engine.llm).__name__,  # baseline's and ours' LLM forward
         "llm_compiled": getattr(served.engine.llm, "compiled", None) is not None,
+        "llm_quantized": getattr(served.engine.llm, "quantized", None),
         "hf_plain_tokens_per_s": tps("hf_plain"),
         "hf_plain_identical": same("hf_plain"),
         "hf_assisted_tokens_per_s": tps("hf_assisted"),
@@ -448,7 +454,8 @@ def format_table(summary: dict) -> str:
         rows.append((f"{m} (llama.cpp)", f"{summary[f'{m}_tokens_per_s']:.2f}", "-", _fmt(summary[f"{m}_acceptance"]),
                      _ratio(summary[f"{m}_tokens_per_s"], base), _fmt_int(summary[f"{m}_identical"])))
     lines = text_table(rows)
-    runner = f"{summary.get('llm_runner')}{' compiled' if summary.get('llm_compiled') else ''}"
+    runner = (f"{summary.get('llm_runner')}{' compiled' if summary.get('llm_compiled') else ''}"
+              f"{' ' + summary['llm_quantized'] if summary.get('llm_quantized') else ''}")
     footer = (f"dtype={summary['dtype']} (SSMs {summary['ssm_dtype']})  LLM runner={runner}  "
               f"questions={summary['total']}  "
               f"threads={summary['threads']}  greedy_identical={summary['greedy_identical']}")

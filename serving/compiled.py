@@ -35,50 +35,63 @@ transformers' incremental decoding and closeness to the eager lean runner.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 import types
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from boosttune.serving import cpu_linear
-from boosttune.serving.lean import LeanRunner
+from boosttune.serving.lean import LeanRunner, Product
+from boosttune.serving.quantize import QuantLinear
 
 _LIB = torch.library.Library("boosttune", "DEF")
-_LIB.define("packed_linear(Tensor x, int key) -> Tensor")
-_WEIGHTS: dict[int, tuple[Tensor, Tensor | None]] = {}  # key -> (weight (O, I), its packed form or None)
+# the output width is an argument, not only looked up: inductor's cache on disk keys a graph by its code,
+# and a graph whose products differ only in their widths (a 64-row LM head against a 49,152-row one
+# under the same key) would otherwise be served another model's compiled code
+_LIB.define("packed_linear(Tensor x, int key, int out_features) -> Tensor")
+_PRODUCTS: dict[int, tuple[int, Callable[[Tensor], Tensor]]] = {}  # key -> (out_features, the product)
 _KEYS = itertools.count()
 
 
-def _packed_linear(x: Tensor, key: int) -> Tensor:
-    weight, packed = _WEIGHTS[key]
-    return cpu_linear.packed_linear(x, packed) if packed is not None else F.linear(x, weight)
+def _packed_linear(x: Tensor, key: int, out_features: int) -> Tensor:
+    return _PRODUCTS[key][1](x)
 
 
 _LIB.impl("packed_linear", _packed_linear, "CPU")
 
 
 @torch.library.register_fake("boosttune::packed_linear")
-def _packed_linear_shape(x: Tensor, key: int) -> Tensor:
-    return x.new_empty(*x.shape[:-1], _WEIGHTS[key][0].shape[0])
+def _packed_linear_shape(x: Tensor, key: int, out_features: int) -> Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
-def _register(linear: torch.nn.Linear) -> int:
-    """A key for ``linear``'s weight and the packed copy it multiplies with (``cpu_linear``; none where
-    it takes another form): the eager forward's own weights, not copies."""
-    w = linear.weight.detach()
-    packed = linear.packed_weight() if isinstance(linear, cpu_linear.CpuLinear) and linear.mode == "packed" else None
+def _register(product: Product) -> int:
+    """A key for ``product``: a Linear's weight and the packed copy it multiplies with (``cpu_linear``;
+    ``F.linear`` where it takes another form), or a quantized product (``serving/quantize.py``). The eager
+    forward's own weights, not copies."""
+    if isinstance(product, QuantLinear):
+        out, fn = product.out_features, product
+    else:
+        w = product.weight.detach()
+        if isinstance(product, cpu_linear.CpuLinear) and product.mode == "packed":
+            packed = product.packed_weight()
+            out, fn = w.shape[0], functools.partial(cpu_linear.packed_linear, packed=packed)
+        else:
+            out, fn = w.shape[0], functools.partial(F.linear, weight=w)
     key = next(_KEYS)
-    _WEIGHTS[key] = (w, packed)
+    _PRODUCTS[key] = (out, fn)
     return key
 
 
 def _drop(keys: list[int]) -> None:
     for key in keys:
-        _WEIGHTS.pop(key, None)
+        _PRODUCTS.pop(key, None)
 
 
 def compile_reason(runner: object) -> str | None:
@@ -102,22 +115,18 @@ class CompiledForward(torch.nn.Module):
         why = compile_reason(runner)
         if why is not None:
             raise ValueError(f"cannot compile this forward: {why}")
-        body, model = runner._body, runner.model
+        body = runner._body
         keys: list[int] = []
 
-        def reg(linear: torch.nn.Linear) -> int:
-            keys.append(_register(linear))
-            return keys[-1]
+        def reg(product: Product) -> tuple[int, int]:
+            keys.append(_register(product))
+            return keys[-1], _PRODUCTS[keys[-1]][0]  # the op's arguments after its input
 
-        self._layers = tuple(
-            (reg(runner._qkv[i].current()), reg(ly.self_attn.o_proj), reg(runner._gate_up[i].current()),
-             reg(ly.mlp.down_proj))
-            for i, ly in enumerate(body.layers)
-        )
+        self._layers = tuple(tuple(reg(p) for p in runner.products(i)) for i in range(len(body.layers)))
         # a drafter's head may be restricted to a draft vocabulary: (K,) ids, their rows' logits, -inf elsewhere
-        self._head = reg(runner._head) if runner._head is not None else reg(model.get_output_embeddings())
+        self._head = reg(runner._head) if runner._head is not None else reg(runner.lm_product())
         self._head_ids = runner.head_ids
-        self._vocab = model.get_output_embeddings().weight.shape[0]
+        self._vocab = runner.lm_product().out_features
         # the norms' weights enter the graph as one input (tensors held as constants defeat the compile
         # cache, and each tensor input adds symbols and guards)
         self._norms = torch.stack([w.detach() for ly in body.layers for w in (ly.input_layernorm.weight,
@@ -161,7 +170,7 @@ class CompiledForward(torch.nn.Module):
         for i, (qkv_key, o_key, gate_up_key, down_key) in enumerate(self._layers):
             if i in self.taps:
                 tapped[i] = x[0]  # the layer's input (T, H)
-            qkv = op(self._rms(x, norms[2 * i]), qkv_key)  # (1, T, (Q + 2G) C)
+            qkv = op(self._rms(x, norms[2 * i]), *qkv_key)  # (1, T, (Q + 2G) C)
             qk = qkv[..., : (q_n + g_n) * c].view(1, t, q_n + g_n, c)
             qk = qk * cos4 + qk.roll(half, -1) * sin4
             q = qk[:, :, :q_n].transpose(1, 2)  # (1, Q, T, C)
@@ -172,11 +181,11 @@ class CompiledForward(torch.nn.Module):
             qg = q.reshape(1, g_n, (q_n // g_n) * t, c)  # heads folded per kv head, as lean.py folds them
             att = F.scaled_dot_product_attention(qg, keys[i][None, :, :length], values[i][None, :, :length],
                                                  attn_mask=mask, scale=self._scale)
-            x = x + op(att.reshape(1, q_n, t, c).transpose(1, 2).reshape(1, t, q_n * c), o_key)
-            gate, up = op(self._rms(x, norms[2 * i + 1]), gate_up_key).chunk(2, dim=-1)
-            x = x + op(F.silu(gate) * up, down_key)
+            x = x + op(att.reshape(1, q_n, t, c).transpose(1, 2).reshape(1, t, q_n * c), *o_key)
+            gate, up = op(self._rms(x, norms[2 * i + 1]), *gate_up_key).chunk(2, dim=-1)
+            x = x + op(F.silu(gate) * up, *down_key)
         last = self._rms(x, norms[-1])[0]  # (T, H)
-        logits = op(last, self._head).float()  # (T, V), or (T, K) over a draft vocabulary
+        logits = op(last, *self._head).float()  # (T, V), or (T, K) over a draft vocabulary
         if head_ids is not None:  # ModelRunner._restricted_logits
             logits = logits.new_full((t, self._vocab), float("-inf")).index_copy(1, head_ids, logits)
         hidden = torch.cat([last, *(tapped[i] for i in self.taps)], -1) if self.taps else last

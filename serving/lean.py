@@ -46,6 +46,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from boosttune.kernels.tree_attention import full_mask, tree_attention
 from boosttune.serving import cpu_linear
+from boosttune.serving import quantize as quantize_mod
 from boosttune.serving.runner import ModelRunner
 
 ENV_VAR = "BOOSTTUNE_LEAN"
@@ -80,6 +81,15 @@ def llm_runner(model: PreTrainedModel) -> ModelRunner:
     """The runner the LLM gets: :class:`LeanRunner` on CPU where the model qualifies, else ``ModelRunner``
     (on CUDA too: the GPU checks measured the LLM through it)."""
     return drafter_runner(model) if model.device.type == "cpu" else ModelRunner(model)
+
+
+Product = nn.Linear | quantize_mod.QuantLinear
+"""One matrix product of the lean forward: a (CPU-packed) Linear, or its quantized form."""
+
+
+def _weight(p: Product) -> Tensor:
+    assert isinstance(p, nn.Linear), "quantized already"
+    return p.weight.detach()
 
 
 def _version(t: Tensor) -> tuple[int, int]:
@@ -127,6 +137,10 @@ class LeanRunner(ModelRunner):
         self._c = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self._qkv = [_Fused([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj]) for ly in body.layers]
         self._gate_up = [_Fused([ly.mlp.gate_proj, ly.mlp.up_proj]) for ly in body.layers]
+        self._o: list[Product] = [ly.self_attn.o_proj for ly in body.layers]
+        self._down: list[Product] = [ly.mlp.down_proj for ly in body.layers]
+        self._lm: Product = model.get_output_embeddings()
+        self.quantized: str | None = None  # "int8" / "int4" after ``quantize``
         self._scale = body.layers[0].self_attn.scaling if body.layers else 1.0
         self._len = 0
         self._keys: list[Tensor] = []  # per layer (G, capacity, C)
@@ -164,6 +178,52 @@ class LeanRunner(ModelRunner):
             self.taps = before
             raise ValueError("set the taps before compiling the forward (compile_runner): its graph returns "
                              "the layer inputs it was built with")
+
+    def products(self, i: int) -> tuple[Product, Product, Product, Product]:
+        """Layer ``i``'s matrix products as this runner computes them: fused q/k/v, o, fused gate/up, down
+        (``nn.Linear`` modules, or ``QuantLinear`` after ``quantize``)."""
+        qkv, gate_up = self._qkv[i], self._gate_up[i]
+        return (qkv.current() if isinstance(qkv, _Fused) else qkv, self._o[i],
+                gate_up.current() if isinstance(gate_up, _Fused) else gate_up, self._down[i])
+
+    def lm_product(self) -> Product:
+        """The LM head's product over the whole vocabulary (a drafter's restricted head is ``_head``)."""
+        return self._lm
+
+    @torch.inference_mode()
+    def quantize(self, scheme: str, group: int = quantize_mod.DEFAULT_GROUP) -> int:
+        """Compute every matrix product of the model (the fused ones, o, down and the LM head) with
+        weight-only ``scheme`` weights (``serving/quantize.py``) from now on; returns the bytes of the
+        quantized weights. For a frozen model being served, before any runner is spawned or the forward
+        compiled: the quantized weights are taken once, and the model's own weights stay as they are
+        (transformers' forward and training still use them). Raises ValueError naming ``--quantize``
+        where it cannot (a GPU model, a restricted LM head, a compiled forward, quantized already, or a
+        weight shape the kernel refuses), before anything changes."""
+        quantize_mod.check_scheme(scheme, group)
+        if self.device.type != "cpu":
+            raise ValueError(f"--quantize {scheme}: the quantized kernels are for CPUs; the LLM is on {self.device}")
+        if self._head is not None or self.compiled is not None or self.quantized is not None:
+            raise ValueError(f"--quantize {scheme}: quantize a runner of the whole vocabulary before compiling it, once")
+        dtype = self._body.embed_tokens.weight.dtype
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"--quantize {scheme}: the LLM's dtype must be fp32 or bf16, got {dtype}")
+        weights = [[_weight(p) for p in self.products(i)] for i in range(len(self._qkv))]
+        head = _weight(self._lm)
+        for w in [head, *(w for layer in weights for w in layer)]:
+            why = quantize_mod.shape_reason(w.shape[0], w.shape[1], scheme, group)
+            if why is not None:
+                raise ValueError(f"--quantize {scheme}: {why}; this LLM takes int8 or no --quantize")
+        def q(w: Tensor) -> quantize_mod.QuantLinear:
+            return quantize_mod.QuantLinear.from_weight(w, scheme, group)
+
+        self._qkv = [q(layer[0]) for layer in weights]
+        self._o = [q(layer[1]) for layer in weights]
+        self._gate_up = [q(layer[2]) for layer in weights]
+        self._down = [q(layer[3]) for layer in weights]
+        self._lm = q(head)
+        self.quantized = scheme
+        products = [*self._qkv, *self._o, *self._gate_up, *self._down, self._lm]
+        return sum(p.nbytes for p in products)  # type: ignore[union-attr]
 
     def spawn(self) -> LeanRunner:
         """A runner of the same model and fused weights with an empty cache of its own (one per
@@ -328,10 +388,10 @@ def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor | No
                 outs.append(tree_attention(q[:, :, a:b], keys[None, :, :s], values[None, :, :s], f.prefix_len,
                                            mask.raw, first._scale))  # (1, Q, T, C)
         att = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (1, Q, sum T, C)
-        x = x + layer.self_attn.o_proj(att.transpose(1, 2).reshape(1, n, q_n * c))
+        x = x + first._o[i](att.transpose(1, 2).reshape(1, n, q_n * c))
         h = layer.post_attention_layernorm(x)
         gate, up = first._gate_up[i](h).chunk(2, dim=-1)
-        x = x + layer.mlp.down_proj(F.silu(gate) * up)
+        x = x + first._down[i](F.silu(gate) * up)
     for (runner, _), (_, _, _, s, _) in zip(feeds, spans, strict=True):
         runner._len = s
     last = body.norm(x)[0]  # (sum T, H)
@@ -345,6 +405,6 @@ def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor | No
         at, off = {}, 0
         for a, b in heads:
             at[a], off = off, off + b - a
-    logits = first._restricted_logits(rows) if first._head is not None else first.model.get_output_embeddings()(rows).float()
+    logits = first._restricted_logits(rows) if first._head is not None else first._lm(rows).float()
     return [(logits[at[a] : at[a] + b - a] if f.logits else None, hidden[a:b] if f.hidden and hidden is not None else None)
             for (_, f), (a, b, _, _, _) in zip(feeds, spans, strict=True)]

@@ -88,6 +88,19 @@ def test_bench_with_a_compiled_llm_stays_identical_to_transformers(tiny_dirs, tm
     assert "LLM runner=LeanRunner compiled" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_bench_with_a_quantized_llm_compares_speculation_with_its_plain_decoding(tiny_dirs, tmp_path, capsys, scheme):
+    """--quantize: baseline and ours run the quantized LLM, and ours equals its plain decoding (fp32);
+    hf_plain stays the unquantized LLM, the reference its answers are compared with."""
+    out = tmp_path / "bench"
+    assert main(["bench", "--llm", str(tiny_dirs / "llm"), "--ssm", str(tiny_dirs / "ssm"), "--questions", str(MT_BENCH),
+                 "--limit", "2", "--max-new-tokens", "8", "--methods", "baseline,hf_plain,ours", "--out", str(out),
+                 "--quantize", scheme]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["llm_quantized"] == scheme and summary["greedy_identical"] == 2
+    assert f"LLM runner=LeanRunner {scheme}" in capsys.readouterr().out
+
+
 def test_bench_with_prompt_lookup_alone_against_hf_prompt_lookup(tiny_dirs, tmp_path):
     """No SSM: ours drafts by prompt lookup only; HF's prompt lookup decoding is the peer."""
     out = tmp_path / "bench"

@@ -130,6 +130,11 @@ COMPILE_HELP = ("compile the CPU forward of the LLM and the drafters with torch.
                 "the faster end) and needs a C++ compiler")
 """What ``--compile`` says, in every command that decodes."""
 
+QUANTIZE_HELP = ("serve the LLM with weight-only int8 or int4 (groups of 32) weights (serving/quantize.py; CPU, fp32 or "
+                 "bf16): a plain step reads fewer bytes. Lossless with respect to the quantized LLM; its output "
+                 "differs from the unquantized LLM's as a quantized model's does (default off)")
+"""What ``--quantize`` says, in every command that decodes."""
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """--llm, --ssm, the dtypes, --device, the tree flags, --draft-vocab/--draft-ranking and --prompt-lookup."""
@@ -142,6 +147,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="fp32", help=f"{DTYPE_HELP}, for the LLM, and the SSMs unless --ssm-dtype (default fp32)")
     add_device_arg(p)
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None, help=QUANTIZE_HELP)
     p.add_argument("--ssm-dtype", default=None, help="dtype of the SSMs (default: --dtype); the output depends only on the LLM's")
     p.add_argument("--tree", default=None, choices=sorted(TREE_POLICIES), help=f"tree policy (default {default.kind})")
     p.add_argument("--widths", type=tree_widths, default=None,
@@ -206,6 +212,8 @@ def assemble_from_args(args: argparse.Namespace) -> Served:
         tree=tree_override(args), draft_ranking=args.draft_ranking, lookup=args.prompt_lookup,
         use_scheduler=not args.no_scheduler, device=args.device,
     )
+    if args.quantize:
+        assemble.quantize_llm(served.engine, args.quantize)
     if args.compile:
         assemble.compile_served(served)
     return served

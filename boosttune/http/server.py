@@ -117,6 +117,8 @@ class ServerConfig:
             (0: never); larger batches take plain steps (``serving/batch.py``, ``DRAFT_MAX_BATCH``).
         compile: compile the CPU forward of the LLM and the drafters (``serving/compiled.py``) at start;
             single requests' steps run it, batched steps of several requests the eager forward.
+        quantize: "int8" or "int4": serve the LLM with weight-only quantized weights
+            (``serving/quantize.py``); None keeps its dtype's weights.
     """
 
     model_name: str | None = None
@@ -131,6 +133,7 @@ class ServerConfig:
     max_batch_tokens: int = 64
     draft_max_batch: int = DRAFT_MAX_BATCH
     compile: bool = False
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < self.max_batch:
@@ -181,6 +184,9 @@ class _State:
         )
         # what `boosttune generate` and `bench` assemble from the same bundle (boosttune/assemble.py)
         self.served = assemble.from_bundle(bundle, use_scheduler=config.use_scheduler)
+        if config.quantize:
+            mb = assemble.quantize_llm(self.served.engine, config.quantize) / 1e6
+            log.info("the LLM's products quantized to %s (%.0f MB)", config.quantize, mb)
         if config.compile:
             log.info("compiling the forward of the LLM and the drafters")
             log.info("compiled in %.1f s", assemble.compile_served(self.served))

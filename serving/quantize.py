@@ -1,0 +1,146 @@
+"""Weight-only quantized matrix products for serving the LLM on a CPU (``--quantize int8|int4``).
+
+Shape legend: R rows fed at once, I in_features, O out_features, N groups per row (I / group).
+
+A plain decoding step reads every weight of the LLM once, so its matrix products are bounded by the
+bytes they read; quantized weights read fewer. torch ships CPU kernels that multiply bf16 or fp32
+inputs by quantized weights directly: ``aten._weight_int8pack_mm`` (int8, one scale per output
+channel) and ``aten._weight_int4pack_mm_for_cpu`` (int4 in groups of inputs, a scale and an offset per
+group). Measured with ``scripts/bench_quant_linear.py`` (AMD EPYC with AVX512-BF16, 2 threads, torch
+2.13, all 211 products of SmolLM2-135M once; median ms):
+
+| rows R | 1 | 2 | 4 | 8 | 16 | 32 |
+|---|---|---|---|---|---|---|
+| bf16, oneDNN packed (today's default) | 17.2 | 18.1 | 15.0 | 17.4 | 20.9 | 35.1 |
+| int8 weights | 10.3 | 12.5 | 14.7 | 26.9 | 43.5 | 77.8 |
+| int4 weights, groups of 32 | 5.2 | 6.2 | 8.3 | 14.6 | 27.6 | 56.6 |
+
+Both kernels walk the weights again for every few rows, so their cost grows with the rows a
+verification feeds, where oneDNN's bf16 product barely grows: int4 pays up to about 8 rows, int8
+only at one or two. Each output row is computed from its input row alone (checked bit for bit
+here), so a tree's row rounds exactly as a plain step's would.
+
+The quantization: per output channel, round to nearest (int8: symmetric, scale = max |w| / 127; int4:
+each group of ``group`` inputs mapped onto 16 levels between its min and max). A fused product
+(q/k/v, gate/up) is quantized from the concatenated weight; since every row quantizes on its own,
+that equals quantizing the parts.
+
+Lossless serving holds with respect to the *quantized* LLM: plain decoding and verification run the
+same quantized products (``LeanRunner.quantize``), so greedy output is token-identical to the quantized
+LLM's own plain decoding and sampling follows its distribution. Against the bf16 LLM the output
+differs as any quantized model's does (``scripts/quant_quality.py`` measures how much).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+SCHEMES = ("int8", "int4")
+INT4_GROUPS = (32, 64, 128, 256)
+"""Group sizes ``_weight_int4pack_mm_for_cpu`` accepts."""
+DEFAULT_GROUP = 32
+"""int4 group size: groups of 64 gave 2.8x the relative output error of groups of 32 on SmolLM2-135M's
+products (0.085 against 0.031, ``scripts/bench_quant_linear.py``) at the same speed."""
+
+
+def check_scheme(scheme: str, group: int = DEFAULT_GROUP) -> None:
+    """Raise ValueError naming ``--quantize`` for an unknown scheme or int4 group size."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"--quantize {scheme!r}: use one of {', '.join(SCHEMES)} (or leave it off for the "
+                         "LLM's own dtype)")
+    if scheme == "int4" and group not in INT4_GROUPS:
+        raise ValueError(f"--quantize int4: group size {group} is not one of {INT4_GROUPS}")
+
+
+def shape_reason(out_features: int, in_features: int, scheme: str, group: int = DEFAULT_GROUP) -> str | None:
+    """Why an (O, I) weight cannot take ``scheme`` (None: it can)."""
+    if scheme == "int4" and (in_features % group or out_features % 16):
+        return f"int4 needs in_features divisible by the group ({group}) and out_features by 16, got ({out_features}, {in_features})"
+    return None
+
+
+def int8_codes(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """(O, I) int8 codes and (O,) fp32 scales of ``weight`` (O, I): symmetric, per output channel."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (O,)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def int4_codes(weight: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(O, I) int32 codes in 0..15, (O, N) fp32 scales and (O, N) fp32 minima of ``weight`` (O, I):
+    value = code * scale + minimum, per group of ``group`` inputs of a row."""
+    o, i = weight.shape
+    g = weight.detach().float().view(o, i // group, group)  # (O, N, group)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)  # (O, N)
+    scale = (hi - lo).clamp(min=1e-12) / 15
+    codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    return codes.view(o, i), scale, lo
+
+
+@dataclass(eq=False)
+class QuantLinear:
+    """A bias-free Linear whose weight is held quantized; called like ``nn.Linear`` on (..., I) inputs of
+    ``dtype`` (the weight's original dtype: bf16 or fp32), returning (..., O) in that dtype.
+
+    Attributes:
+        scheme: "int8" or "int4".
+        out_features, in_features: O and I.
+        dtype: the inputs' and outputs' dtype.
+        group: int4's group size (0 for int8).
+        packed: the kernel's weight: (O, I) int8 codes, or int4 codes in the kernel's packed layout.
+        scales: int8: (O,) scales; int4: (N, O, 2) scales and offsets, as the kernel wants them.
+        reference: the (O, I) dequantized weight in fp32, kept only when asked (tests).
+    """
+
+    scheme: str
+    out_features: int
+    in_features: int
+    dtype: torch.dtype
+    group: int
+    packed: Tensor
+    scales: Tensor
+    reference: Tensor | None = None
+
+    @classmethod
+    def from_weight(cls, weight: Tensor, scheme: str, group: int = DEFAULT_GROUP, keep_reference: bool = False) -> QuantLinear:
+        """Quantize ``weight`` (O, I) (a CPU bf16 or fp32 tensor)."""
+        check_scheme(scheme, group)
+        o, i = weight.shape
+        why = shape_reason(o, i, scheme, group)
+        if why is not None:
+            raise ValueError(f"--quantize {scheme}: {why}")
+        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"--quantize {scheme}: the weights must be fp32 or bf16 on the CPU, got "
+                             f"{weight.dtype} on {weight.device}")
+        dtype = weight.dtype
+        if scheme == "int8":
+            codes, scale = int8_codes(weight)
+            ref = codes.float() * scale[:, None] if keep_reference else None
+            return cls("int8", o, i, dtype, 0, codes, scale.to(dtype), ref)
+        codes4, scale4, lo = int4_codes(weight, group)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes4, 2)
+        # the kernel computes (code - 8) * scale + offset: offset = minimum + 8 scale
+        scales = torch.stack([scale4, lo + 8 * scale4], dim=-1).transpose(0, 1).contiguous().to(dtype)  # (N, O, 2)
+        ref = None
+        if keep_reference:
+            s, off = scales.float().transpose(0, 1).unbind(-1)  # (O, N) each, as the kernel reads them
+            ref = ((codes4.view(o, i // group, group).float() - 8) * s[..., None] + off[..., None]).view(o, i)
+        return cls("int4", o, i, dtype, group, packed, scales, ref)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if x.dtype != self.dtype:
+            raise ValueError(f"a {self.scheme} product of {self.dtype} weights was fed {x.dtype} inputs")
+        flat = x.reshape(-1, self.in_features)  # (R, I)
+        if self.scheme == "int8":
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.packed, self.scales)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales)
+        return out.view(*x.shape[:-1], self.out_features)  # (..., O)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the quantized weight and its scales."""
+        return self.packed.numel() * self.packed.element_size() + self.scales.numel() * self.scales.element_size()

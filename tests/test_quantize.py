@@ -1,0 +1,176 @@
+"""Weight-only quantized serving (``--quantize``): the products compute what their dequantized weights
+would, every product of the LLM is quantized, rows stay independent of one another, and speculative
+decoding stays lossless with respect to the quantized LLM (greedy token identity with its own plain
+decoding, one at a time, batched and compiled)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import perturbed, tiny_llama
+
+from boosttune import assemble
+from boosttune.assemble import engine_from_models
+from boosttune.serving import batch
+from boosttune.serving.engine import Plan
+from boosttune.serving.lean import LeanRunner
+from boosttune.serving.quantize import QuantLinear, check_scheme, int4_codes, int8_codes, shape_reason
+from boosttune.serving.runner import ModelRunner
+from boosttune.serving.stops import StopCriteria
+from boosttune.serving.tree import TreeConfig
+
+SCHEMES = ["int8", "int4"]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_quantized_product_multiplies_by_its_dequantized_weight(scheme, dtype):
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(48, 64, generator=g) * 0.1).to(dtype)
+    layer = QuantLinear.from_weight(w, scheme, keep_reference=True)
+    assert layer.reference is not None
+    x = torch.randn(2, 3, 64, generator=g).to(dtype)
+    y = layer(x)
+    assert y.shape == (2, 3, 48) and y.dtype == dtype
+    want = x.float() @ layer.reference.T
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(y.float(), want, rtol=tol, atol=tol * float(want.abs().max()))
+    # the dequantized weight is near the original (int4 groups of 32: 16 levels a group)
+    err = float((layer.reference - w.float()).norm() / w.float().norm())
+    assert err < (0.01 if scheme == "int8" else 0.1)
+    assert err > 0  # and it is quantized
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_each_row_is_computed_from_its_own_input_alone(scheme):
+    """A tree's rows round as plain steps' rows do: each output row, bit for bit, whatever rows share
+    the product (bf16, as served)."""
+    g = torch.Generator().manual_seed(1)
+    layer = QuantLinear.from_weight(torch.randn(64, 96, generator=g).to(torch.bfloat16), scheme)
+    x = torch.randn(12, 96, generator=g).to(torch.bfloat16)
+    both = layer(x)
+    for r in (0, 5, 11):
+        assert torch.equal(layer(x[r : r + 1])[0], both[r])
+
+
+def test_codes_are_per_row_so_fused_products_equal_their_parts():
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(32, 64, generator=g), torch.randn(16, 64, generator=g) * 3
+    for fn in (int8_codes, lambda w: int4_codes(w, 32)):
+        whole, parts = fn(torch.cat([a, b])), (fn(a), fn(b))
+        for j, t in enumerate(whole):
+            assert torch.equal(t, torch.cat([parts[0][j], parts[1][j]]))
+
+
+def test_bad_schemes_and_shapes_say_what_to_do():
+    with pytest.raises(ValueError, match="--quantize 'int3'"):
+        check_scheme("int3")
+    with pytest.raises(ValueError, match="group size 16"):
+        check_scheme("int4", 16)
+    assert shape_reason(40, 64, "int4") is not None and shape_reason(40, 64, "int8") is None
+    with pytest.raises(ValueError, match="divisible"):
+        QuantLinear.from_weight(torch.randn(48, 40), "int4")
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        QuantLinear.from_weight(torch.randn(48, 64).half(), "int8")
+    layer = QuantLinear.from_weight(torch.randn(48, 64), "int8")
+    with pytest.raises(ValueError, match="bfloat16 inputs"):
+        layer(torch.randn(1, 64).to(torch.bfloat16))
+
+
+def _dequantized_model(llm, scheme: str):
+    """A copy of ``llm`` whose every Linear weight (the LM head too) is the dequantized one."""
+    ref = copy.deepcopy(llm)
+    with torch.no_grad():
+        for m in ref.modules():
+            if isinstance(m, torch.nn.Linear):
+                q = QuantLinear.from_weight(m.weight, scheme, keep_reference=True)
+                m.weight = torch.nn.Parameter(q.reference.to(m.weight.dtype))
+    return ref
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@torch.inference_mode()
+def test_every_product_of_the_llm_is_quantized(scheme):
+    """The quantized runner computes the model with every weight (q/k/v, o, gate/up, down, LM head)
+    replaced by its dequantized form; the unquantized model differs."""
+    llm = tiny_llama(3, layers=2)
+    runner = LeanRunner(llm)
+    assert runner.quantize(scheme) > 0 and runner.quantized == scheme
+    ref = ModelRunner(_dequantized_model(llm, scheme))
+    plain = ModelRunner(llm)
+    prompt = torch.tensor([3, 9, 4, 17, 2])
+    got, want, unq = runner.forward_chain(prompt), ref.forward_chain(prompt), plain.forward_chain(prompt)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert float((got - unq).abs().max()) > 1e-3
+    p = runner.cached_len  # and a tree after it
+    toks, pos = torch.tensor([[5, 6, 7]]), torch.tensor([[p, p + 1, p + 1]])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    torch.testing.assert_close(runner.forward(toks, pos, p, mask), ref.forward(toks, pos, p, mask), rtol=1e-4, atol=1e-4)
+    for spawned in (runner.spawn(),):  # a batch's runners compute the same quantized model
+        torch.testing.assert_close(spawned.forward_chain(prompt), got)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_speculative_decoding_equals_the_quantized_llms_plain_decoding(scheme):
+    """fp32 greedy: token-identical to the quantized LLM's own plain decoding, with drafts accepted
+    (so the identity tests verification); one at a time and batched."""
+    llm = tiny_llama(0)
+    engine = engine_from_models(llm, [perturbed(llm, 1, 0.3)], TreeConfig(widths=(2, 2, 1)))
+    assemble.quantize_llm(engine, scheme)
+    stop = StopCriteria(max_new_tokens=32)
+    prompts = [[5, 9, 2], [7, 3, 3, 11, 20], [4]]
+    plain = [engine.generate(p, stop, plan=Plan()).tokens for p in prompts]
+    hits = 0
+    for prompt, ref in zip(prompts, plain, strict=True):
+        res = engine.generate(prompt, stop)
+        assert res.tokens == ref
+        hits += sum(a - 1 for a in res.accept_lengths)
+    assert hits > 0
+    decoder = batch.BatchedDecoder(engine, max_batch=3, draft_max_batch=3)
+    for i, p in enumerate(prompts):
+        decoder.add(p, stop, None, tag=i)
+    got: dict[int, list[int]] = {}
+    while len(decoder):
+        for m in decoder.step():
+            got[m.tag] = m.stream.result().tokens
+    assert [got[i] for i in range(3)] == plain
+    # and the quantized LLM is another model than the unquantized one
+    unquantized = engine_from_models(llm, [], TreeConfig(widths=(1,)))
+    assert any(unquantized.generate(p, stop, plan=Plan()).tokens != r for p, r in zip(prompts, plain, strict=True))
+
+
+def test_quantize_refuses_what_it_cannot_serve(monkeypatch):
+    llm = tiny_llama(0)
+    runner = LeanRunner(llm)
+    runner.quantize("int8")
+    with pytest.raises(ValueError, match="once"):
+        runner.quantize("int8")
+    with pytest.raises(ValueError, match="restricted|once"):
+        LeanRunner(llm, torch.tensor([1, 2, 3])).quantize("int8")
+    odd = LeanRunner(tiny_llama(0, vocab=70))
+    with pytest.raises(ValueError, match="takes int8"):
+        odd.quantize("int4")
+    assert odd.quantized is None  # nothing changed
+    monkeypatch.setenv("BOOSTTUNE_LEAN", "0")
+    with pytest.raises(ValueError, match="leave --quantize off"):
+        assemble.quantize_llm(engine_from_models(llm, [], TreeConfig(widths=(1,))), "int4")
+
+
+def test_a_compiled_quantized_forward_matches_the_eager_one():
+    from boosttune.serving.compiled import compile_runner
+
+    llm = tiny_llama(5)
+    eager, compiled = LeanRunner(llm), LeanRunner(llm)
+    eager.quantize("int4")
+    compiled.quantize("int4")
+    compile_runner(compiled, warm_up=False)
+    prompt = torch.tensor([3, 9, 4, 17, 2])
+    eager.prefill(prompt)
+    compiled.prefill(prompt)
+    with torch.inference_mode():
+        for tok in (5, 8, 1):
+            p = eager.cached_len
+            args = (torch.tensor([[tok]]), torch.tensor([[p]]), p, torch.ones(1, 1, dtype=torch.bool))
+            torch.testing.assert_close(compiled.forward(*args), eager.forward(*args), rtol=1e-4, atol=1e-4)
