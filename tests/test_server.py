@@ -278,6 +278,28 @@ def test_compiled_batched_server_gives_clients_their_one_at_a_time_answers(clien
             assert list(pool.map(lambda job: _greedy(compiled, *job)[0], jobs)) == serial
 
 
+def test_a_quantized_server_answers_as_the_quantized_llm_decodes_plainly(client, loaded):
+    """--quantize int4: drafted and batched answers equal those of the same quantized server taking plain
+    steps only (fp32), and they come from another model than the unquantized server's."""
+    def server(draft_max_batch: int):
+        return create_app(loaded, ServerConfig(model_name=MODEL, torch_threads=1, max_batch=4, max_batch_tokens=16,
+                                               draft_max_batch=draft_max_batch, quantize="int4"))
+
+    drafting, plain = server(4), server(0)
+    assert drafting.state.boosttune.served.engine.llm.quantized == "int4"
+    jobs = [(PROMPTS[i], 12, i % 2 == 1) for i in range(4)]
+    answers = []
+    for app in (plain, drafting):
+        with ServerThread(app) as url:
+            c = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+            with ThreadPoolExecutor(4) as pool:
+                answers.append([r.model_extra["boosttune"] for r in pool.map(lambda job, c=c: _greedy(c, *job)[1], jobs)])
+    assert [a["token_ids"] for a in answers[0]] == [a["token_ids"] for a in answers[1]]
+    assert max(a["tau"] for a in answers[1]) > 1 and max(a["tau"] for a in answers[0]) == 1  # drafts were accepted
+    unquantized = [_greedy(client, *job)[1].model_extra["boosttune"]["token_ids"] for job in jobs]
+    assert unquantized != [a["token_ids"] for a in answers[0]]
+
+
 def test_serve_flags_name_the_batching_defaults():
     from boosttune.cli import _build
     from boosttune.serving.batch import DRAFT_MAX_BATCH
