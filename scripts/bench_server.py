@@ -96,6 +96,10 @@ def _start_server(args: argparse.Namespace, max_batch: int | None) -> tuple[subp
         cmd += ["--threads", str(args.threads)]
     if args.compile:
         cmd += ["--compile"]
+    if args.quantize:
+        cmd += ["--quantize", args.quantize]
+    if args.draft_max_batch is not None:
+        cmd += ["--draft-max-batch", str(args.draft_max_batch)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + args.start_timeout
@@ -173,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="fp32", help="serve: LLM dtype")
     p.add_argument("--threads", type=int, default=None, help="serve: torch threads of the engine")
     p.add_argument("--compile", action="store_true", help="serve --compile: the compiled CPU forward")
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None, help="serve --quantize: the LLM's weights quantized")
+    p.add_argument("--draft-max-batch", type=int, default=None, help="serve --draft-max-batch (0: plain steps only)")
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts")
     p.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
     p.add_argument("--max-tokens", type=int, default=32)
