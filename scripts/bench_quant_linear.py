@@ -67,18 +67,19 @@ def forms(weights: list[Tensor], group: int) -> dict[str, list[Callable[[Tensor]
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llm", default="default", help="the LLM whose products are timed (default: the embedded SmolLM2-135M)")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     ap.add_argument("--reps", type=int, default=11, help="timed passes per R and form; the median is shown")
     ap.add_argument("--group", type=int, default=32, help="int4 group size (32, 64 or 128; default 32, as --quantize int4)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads < 1 or args.reps < 1 or args.group not in (32, 64, 128):
         raise SystemExit("--threads and --reps must be >= 1, --group one of 32, 64, 128")
     if not cpu_linear.can_pack(torch.bfloat16):
         raise SystemExit("this CPU has no native bf16 for oneDNN: the comparison would be against F.linear")
     torch.set_num_threads(args.threads)
-    model = load_model("default", dtype=torch.bfloat16).model
+    model = load_model(args.llm, dtype=torch.bfloat16).model
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     weights = [m.weight.detach() for m in linears]  # includes the LM head (tied to the embeddings)
     mb = sum(w.numel() for w in weights) * 2 / 1e6
@@ -112,7 +113,8 @@ def main() -> None:
         print(f"| {r} | " + " | ".join(f"{t[n]:.1f}" for n in names) + " |")
     print("\nrelative error against bf16 packed at R = 8: "
           + ", ".join(f"{n} {errors[n]:.4f}" for n in names if n != "bf16 packed"))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

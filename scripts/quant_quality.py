@@ -74,8 +74,9 @@ def top1_agreement(runner: LeanRunner, prompt: list[int], answer: list[int]) -> 
     return int((logits.argmax(-1) == torch.tensor(answer)).sum()), len(answer)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llm", default="default", help="the LLM (default: the embedded SmolLM2-135M)")
     ap.add_argument("--dtype", default="bf16", help="the unquantized LLM's dtype and the products' inputs: bf16 (default) or fp32")
     ap.add_argument("--schemes", default="int8,int4", help="comma-separated quantized forms to compare (default int8,int4)")
     ap.add_argument("--questions", type=int, default=20, help="MT-bench first turns for the greedy comparisons (default 20)")
@@ -84,7 +85,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=512, help="perplexity window (default 512)")
     ap.add_argument("--wikitext", default=str(DATA / "wikitext2_raw_test" / "wiki.test.raw"))
     ap.add_argument("--mt-bench", default=str(DATA / "mt_bench" / "question.jsonl"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     if args.questions < 1 or args.max_new_tokens < 1 or args.tokens < 2 or args.window < 1:
         raise SystemExit("--questions, --max-new-tokens, --window must be >= 1 and --tokens >= 2")
@@ -92,7 +93,7 @@ def main() -> None:
         if not Path(path).is_file():
             raise SystemExit(f"{path} not found: pass --wikitext / --mt-bench")
 
-    loaded = load_model("default", dtype=parse_dtype(args.dtype))
+    loaded = load_model(args.llm, dtype=parse_dtype(args.dtype))
     tok = loaded.tokenizer
     eos = {int(tok.eos_token_id)} if tok.eos_token_id is not None else set()
     wiki = tok(Path(args.wikitext).read_text(encoding="utf-8"))["input_ids"][: args.tokens]
@@ -115,13 +116,14 @@ def main() -> None:
         rows.append((scheme, f"{mb:.0f}", perplexity(runner, wiki, args.window),
                      sum(a for a, _ in agree) / sum(n for _, n in agree), same, sum(prefix) / len(prefix)))
         print(f"{scheme} done", flush=True)
-    print(f"\n# default LLM, {args.dtype} inputs; WikiText-2 {len(wiki)} tokens in windows of {args.window}; "
+    print(f"\n# {args.llm} LLM, {args.dtype} inputs; WikiText-2 {len(wiki)} tokens in windows of {args.window}; "
           f"{len(prompts)} MT-bench questions, {args.max_new_tokens} greedy tokens")
     print(f"| weights | MB quantized | perplexity | top-1 agreement | answers identical (of {len(prompts)}) | mean common prefix |")
     print("|---|---|---|---|---|---|")
     for name, mb, ppl, agree_rate, same, prefix in rows:
         print(f"| {name} | {mb} | {ppl:.2f} | {agree_rate:.3f} | {same} | {prefix:.1f} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -455,3 +455,23 @@ def test_by_category_groups_questions_and_leaves_tau_out_where_no_step_was_recor
     assert cats["code"]["methods"]["ours"] == {"tokens_per_s": pytest.approx((6 + 2) / 2), "tau": pytest.approx(8 / 3)}
     assert cats["uncategorised"]["methods"]["ours"] == {"tokens_per_s": pytest.approx(2.0), "tau": pytest.approx(4 / 3)}
     assert cats["code"]["methods"]["hf_assisted"] == {"tokens_per_s": pytest.approx((3 + 4) / 2), "tau": None}
+
+
+def test_quant_quality_compares_each_quantized_form_with_the_llm(tiny_dirs, capsys):
+    """scripts/quant_quality.py: one row per form, the unquantized LLM agreeing with itself fully."""
+    assert load_script("quant_quality").main([
+        "--llm", str(tiny_dirs / "llm"), "--dtype", "fp32", "--questions", "2", "--max-new-tokens", "6",
+        "--tokens", "80", "--window", "32"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]  # after the header
+    assert [r.split("|")[1].strip() for r in rows] == ["fp32", "int8", "int4"]
+    assert rows[0].split("|")[4].strip() == "1.000" and rows[0].split("|")[5].strip() == "2"
+    assert all(float(r.split("|")[3]) > 1 for r in rows)  # perplexities
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no native bf16 on this CPU")
+def test_bench_quant_linear_times_every_form_at_every_row_count(tiny_dirs, capsys):
+    assert load_script("bench_quant_linear").main(["--llm", str(tiny_dirs / "llm"), "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [int(r.split("|")[1]) for r in table] == [1, 2, 4, 8, 16, 32]
+    assert all(len(r.split("|")) == 7 for r in table) and "relative error" in out
