@@ -334,8 +334,9 @@ def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor | No
     as much for a few tokens as for one on a CPU (weights are read once per product), so several
     requests' trees verify for little more than one's (``serving/batch.py``)."""
     first = feeds[0][0]
-    if any(r.model is not first.model or r._head is not first._head or r.taps != first.taps for r, _ in feeds):
-        raise ValueError("run_many feeds runners of one model with one LM head and the same taps")
+    if any(r.model is not first.model or r._head is not first._head or r.taps != first.taps
+           or r.quantized != first.quantized for r, _ in feeds):
+        raise ValueError("run_many feeds runners of one model with one LM head, the same taps and the same quantization")
     if len({id(r) for r, _ in feeds}) != len(feeds):
         raise ValueError("run_many feeds each runner once")
     dev, body = first.device, first._body

@@ -13,7 +13,7 @@ from conftest import perturbed, tiny_llama
 
 from boosttune import assemble
 from boosttune.assemble import engine_from_models
-from boosttune.serving import batch
+from boosttune.serving import batch, lean
 from boosttune.serving.engine import Plan
 from boosttune.serving.lean import LeanRunner
 from boosttune.serving.quantize import QuantLinear, check_scheme, int4_codes, int8_codes, shape_reason
@@ -108,8 +108,10 @@ def test_every_product_of_the_llm_is_quantized(scheme):
     toks, pos = torch.tensor([[5, 6, 7]]), torch.tensor([[p, p + 1, p + 1]])
     mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
     torch.testing.assert_close(runner.forward(toks, pos, p, mask), ref.forward(toks, pos, p, mask), rtol=1e-4, atol=1e-4)
-    for spawned in (runner.spawn(),):  # a batch's runners compute the same quantized model
-        torch.testing.assert_close(spawned.forward_chain(prompt), got)
+    spawned = runner.spawn()  # a batch's runners compute the same quantized model
+    torch.testing.assert_close(spawned.forward_chain(prompt), got)
+    with pytest.raises(ValueError, match="same quantization"):  # and are never mixed with unquantized ones
+        lean.run_many([(spawned, lean.Feed(toks, pos, p, mask)), (LeanRunner(llm), lean.Feed(toks, pos, p, mask))])
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
