@@ -29,8 +29,10 @@ from pathlib import Path
 
 import torch
 
-from boosttune.core.models import load_model, parse_dtype
+from boosttune.core.models import eos_token_ids, load_model, parse_dtype
+from boosttune.serving.engine import Plan, SpeculativeEngine
 from boosttune.serving.lean import LeanRunner
+from boosttune.serving.stops import StopCriteria
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data"
@@ -51,19 +53,9 @@ def perplexity(runner: LeanRunner, ids: list[int], window: int) -> float:
     return math.exp(total / count)
 
 
-@torch.inference_mode()
-def greedy(runner: LeanRunner, prompt: list[int], n: int, eos: set[int]) -> list[int]:
-    """``n`` greedy tokens after ``prompt`` (fewer at an end-of-sequence token)."""
-    runner.reset()
-    logits = runner.forward_chain(torch.tensor(prompt))[-1]
-    out: list[int] = []
-    while len(out) < n:
-        tok = int(logits.argmax())
-        out.append(tok)
-        if tok in eos:
-            break
-        logits = runner.forward_chain(torch.tensor([tok]))[-1]
-    return out
+def greedy(runner: LeanRunner, prompt: list[int], stop: StopCriteria) -> list[int]:
+    """The greedy answer to ``prompt``: plain decoding through the engine, as bench's baseline decodes."""
+    return SpeculativeEngine(runner, {}, Plan()).generate(prompt, stop).tokens
 
 
 @torch.inference_mode()
@@ -95,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     loaded = load_model(args.llm, dtype=parse_dtype(args.dtype))
     tok = loaded.tokenizer
-    eos = {int(tok.eos_token_id)} if tok.eos_token_id is not None else set()
+    stop = StopCriteria(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_token_ids(loaded))
     wiki = tok(Path(args.wikitext).read_text(encoding="utf-8"))["input_ids"][: args.tokens]
     questions = [json.loads(line)["turns"][0] for line in Path(args.mt_bench).read_text().splitlines() if line.strip()]
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
@@ -103,13 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
 
     base = LeanRunner(loaded.model)
-    answers = [greedy(base, p, args.max_new_tokens, eos) for p in prompts]
+    answers = [greedy(base, p, stop) for p in prompts]
     rows = [(args.dtype, "-", perplexity(base, wiki, args.window), 1.0, len(answers), float(args.max_new_tokens))]
     for scheme in schemes:
         runner = LeanRunner(loaded.model)
         mb = runner.quantize(scheme) / 1e6
         agree = [top1_agreement(runner, p, a) for p, a in zip(prompts, answers, strict=True)]
-        own = [greedy(runner, p, args.max_new_tokens, eos) for p in prompts]
+        own = [greedy(runner, p, stop) for p in prompts]
         same = sum(o == a for o, a in zip(own, answers, strict=True))
         prefix = [next((j for j, (x, y) in enumerate(zip(o, a, strict=False)) if x != y), min(len(o), len(a)))
                   for o, a in zip(own, answers, strict=True)]

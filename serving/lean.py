@@ -213,17 +213,12 @@ class LeanRunner(ModelRunner):
             why = quantize_mod.shape_reason(w.shape[0], w.shape[1], scheme, group)
             if why is not None:
                 raise ValueError(f"--quantize {scheme}: {why}; this LLM takes int8 or no --quantize")
-        def q(w: Tensor) -> quantize_mod.QuantLinear:
-            return quantize_mod.QuantLinear.from_weight(w, scheme, group)
-
-        self._qkv = [q(layer[0]) for layer in weights]
-        self._o = [q(layer[1]) for layer in weights]
-        self._gate_up = [q(layer[2]) for layer in weights]
-        self._down = [q(layer[3]) for layer in weights]
-        self._lm = q(head)
+        layers = [[quantize_mod.QuantLinear.from_weight(w, scheme, group) for w in layer] for layer in weights]
+        lm = quantize_mod.QuantLinear.from_weight(head, scheme, group)
+        self._qkv, self._o, self._gate_up, self._down = (list(products) for products in zip(*layers, strict=True))
+        self._lm = lm
         self.quantized = scheme
-        products = [*self._qkv, *self._o, *self._gate_up, *self._down, self._lm]
-        return sum(p.nbytes for p in products)  # type: ignore[union-attr]
+        return lm.nbytes + sum(p.nbytes for layer in layers for p in layer)
 
     def spawn(self) -> LeanRunner:
         """A runner of the same model and fused weights with an empty cache of its own (one per

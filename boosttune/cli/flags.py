@@ -14,6 +14,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from boosttune.core.device import DEVICE_FORMS, device_arg
+from boosttune.serving.quantize import SCHEMES
 from boosttune.serving.tree import (
     MAX_TREE_DEPTH,
     MAX_TREE_NODES,
@@ -147,7 +148,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="fp32", help=f"{DTYPE_HELP}, for the LLM, and the SSMs unless --ssm-dtype (default fp32)")
     add_device_arg(p)
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
-    p.add_argument("--quantize", choices=["int8", "int4"], default=None, help=QUANTIZE_HELP)
+    p.add_argument("--quantize", choices=SCHEMES, default=None, help=QUANTIZE_HELP)
     p.add_argument("--ssm-dtype", default=None, help="dtype of the SSMs (default: --dtype); the output depends only on the LLM's")
     p.add_argument("--tree", default=None, choices=sorted(TREE_POLICIES), help=f"tree policy (default {default.kind})")
     p.add_argument("--widths", type=tree_widths, default=None,

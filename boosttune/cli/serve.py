@@ -7,6 +7,7 @@ import math
 
 from boosttune.cli.flags import COMPILE_HELP, DTYPE_HELP, QUANTIZE_HELP, add_device_arg
 from boosttune.http.timeouts import ConnectionTimeouts
+from boosttune.serving.quantize import SCHEMES
 
 
 def _whole(text: str, unit: str) -> int:
@@ -90,7 +91,7 @@ def add_commands(sub) -> dict:
                    help="requests draft token trees only while at most N decode at once; larger batches take "
                         "plain steps, which cost less per token there (default 2; 0: never draft)")
     s.add_argument("--compile", action="store_true", help=COMPILE_HELP)
-    s.add_argument("--quantize", choices=["int8", "int4"], default=None, help=QUANTIZE_HELP)
+    s.add_argument("--quantize", choices=SCHEMES, default=None, help=QUANTIZE_HELP)
     s.add_argument("--no-scheduler", action="store_true",
                    help="ignore the bundle's learned scheduler: every request drafts with all SSMs "
                         "(and prompt lookup if the bundle was exported with --prompt-lookup)")

@@ -87,9 +87,7 @@ class Choice:
 def fastest_drafters(evaluation: dict | None, available: Sequence[str]) -> Choice | None:
     """The option of a run's evaluation with the highest speed-up whose drafters are all ``available``:
     each SSM alone, each feature head alone, the EAGLE-3 head alone, all SSMs merged (the ensemble) or all
-    feature heads merged,
-    each with or without
-    prompt lookup where the evaluation measured both. None when the run was not evaluated
+    feature heads merged, each with or without prompt lookup where the evaluation measured both. None when the run was not evaluated
     (``eval.enabled: false``, or a report from before evaluation measured speed)."""
     if not isinstance(evaluation, dict):
         return None
