@@ -22,7 +22,9 @@ How:
 - Quantized products (``serving/quantize.py``) are called in the graph itself: their weights, stacked
   per kind of product over the layers (five tensors and their scales), are buffers of the module and
   so inputs of the graph, not constants, and the cache still serves the next process.
-- Inductor's C++ wrapper runs the graph: no Python between its kernels, except inside the registered op.
+- Inductor's C++ wrapper runs the graph. Where ``serving/native.py`` could build it, the op is C++ too
+  (``boosttune_native::linear``, ``serving/native_ops.cpp``): no Python runs within a step. Otherwise
+  the op registered here in Python serves (~9 us a call: 1.4 ms of a bf16 step's 211 products).
 - One function covers every single-request forward that wants logits: a plain step (T = 1, no
   mask) and a tree (T > 1, a tree mask). Shapes are dynamic, so the cache length and the tree size
   do not recompile; dynamo specialises T = 1 and "mask or none", so a serving process compiles
@@ -50,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from boosttune.serving import cpu_linear
+from boosttune.serving import cpu_linear, native
 from boosttune.serving.lean import LeanRunner, Product
 from boosttune.serving.quantize import QuantLinear
 
@@ -75,27 +77,34 @@ def _packed_linear_shape(x: Tensor, key: int, out_features: int) -> Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-def _register(product: Product) -> int:
+def _register(product: Product) -> tuple[int, bool]:
     """A key for ``product``: a Linear's weight and the packed copy it multiplies with (``cpu_linear``;
     ``F.linear`` where it takes another form), or a quantized product (``serving/quantize.py``). The eager
-    forward's own weights, not copies."""
+    forward's own weights, not copies. Returns the key and whether the C++ op ``boosttune_native::linear``
+    holds it too (a Linear, where ``serving/native.py`` could build it)."""
+    key = next(_KEYS)
+    in_native = False
     if isinstance(product, QuantLinear):
         out, fn = product.out_features, product
     else:
         w = product.weight.detach()
-        if isinstance(product, cpu_linear.CpuLinear) and product.mode == "packed":
-            packed = product.packed_weight()
-            out, fn = w.shape[0], functools.partial(cpu_linear.packed_linear, packed=packed)
-        else:
-            out, fn = w.shape[0], functools.partial(F.linear, weight=w)
-    key = next(_KEYS)
+        packed = isinstance(product, cpu_linear.CpuLinear) and product.mode == "packed"
+        weight = product.packed_weight() if packed else w
+        fn = (functools.partial(cpu_linear.packed_linear, packed=weight) if packed
+              else functools.partial(F.linear, weight=weight))
+        out = w.shape[0]
+        if native.available():
+            torch.ops.boosttune_native.put(weight, key, packed)
+            in_native = True
     _PRODUCTS[key] = (out, fn)
-    return key
+    return key, in_native
 
 
-def _drop(keys: list[int]) -> None:
+def _drop(keys: list[int], native_keys: frozenset[int]) -> None:
     for key in keys:
         _PRODUCTS.pop(key, None)
+        if key in native_keys:
+            torch.ops.boosttune_native.drop(key)
 
 
 def _stack_quantized(module: torch.nn.Module, name: str, products: list[Product]) -> tuple[str, int] | None:
@@ -137,9 +146,14 @@ class CompiledForward(torch.nn.Module):
         body = runner._body
         keys: list[int] = []
 
+        native_keys: set[int] = set()
+
         def reg(product: Product) -> tuple[int, int]:
-            keys.append(_register(product))
-            return keys[-1], _PRODUCTS[keys[-1]][0]  # the op's arguments after its input
+            key, in_native = _register(product)
+            keys.append(key)
+            if in_native:
+                native_keys.add(key)
+            return key, _PRODUCTS[key][0]  # the op's arguments after its input
 
         layers = [runner.products(i) for i in range(len(body.layers))]
         head = runner._head if runner._head is not None else runner.lm_product()
@@ -160,7 +174,8 @@ class CompiledForward(torch.nn.Module):
         self._eps = float(body.norm.variance_epsilon)
         self._q, self._g, self._c, self._scale = runner._q, runner._g, runner._c, runner._scale
         self.taps = tuple(runner.taps)  # layers whose inputs follow the last hidden states (``set_taps``)
-        weakref.finalize(self, _drop, keys)
+        self._native = frozenset(native_keys)  # keys the C++ op holds
+        weakref.finalize(self, _drop, keys, self._native)
         # dynamo caches graphs per code object, at most ``recompile_limit`` (8) of them, and each
         # instance needs its own two: each instance compiles a copy of ``_forward``'s code
         own = types.FunctionType(CompiledForward._forward.__code__.replace(), globals(), "_forward")
@@ -184,6 +199,8 @@ class CompiledForward(torch.nn.Module):
         which saves a call back into Python per product (~1 ms of a 7.7 ms int4 step)."""
         quant = self._head_quant if j == 4 else self._quant[j]
         if quant is None:
+            if key in self._native:
+                return torch.ops.boosttune_native.linear(x, key, out_features)
             return torch.ops.boosttune.packed_linear(x, key, out_features)
         scheme, group = quant
         name = "_qh" if j == 4 else f"_q{j}"
