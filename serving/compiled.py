@@ -113,7 +113,7 @@ def _stack_quantized(module: torch.nn.Module, name: str, products: list[Product]
     product at its slice (no second copy), and return (scheme, group); else None."""
     if not products or not all(isinstance(p, QuantLinear) for p in products):
         return None
-    quant = [p for p in products if isinstance(p, QuantLinear)]
+    quant = [p for p in products if isinstance(p, QuantLinear)]  # all of them, typed
     packed, scales = torch.stack([p.packed for p in quant]), torch.stack([p.scales for p in quant])
     for i, p in enumerate(quant):
         p.packed, p.scales = packed[i], scales[i]
@@ -194,9 +194,10 @@ class CompiledForward(torch.nn.Module):
         return self._fn(x, cos, sin, slots, keys, values, length, mask, self._norms, self._head_ids)
 
     def _product(self, x: Tensor, i: int, j: int, key: int, out_features: int) -> Tensor:
-        """Layer ``i``'s product ``j`` (q/k/v, o, gate/up, down; j = 4: the head): through the registered op
-        for oneDNN's packed weights (key >= 0); a quantized one through its kernel in the graph itself,
-        which saves a call back into Python per product (~1 ms of a 7.7 ms int4 step)."""
+        """Layer ``i``'s product ``j`` (q/k/v, o, gate/up, down; j = 4: the head). A Linear's goes through the
+        op that finds its weight by ``key``: the C++ one where it holds the key, else the one registered in
+        Python. A quantized product (``key`` -1) calls its kernel in the graph itself, which saves a call
+        back into Python per product (~1 ms of a 7.7 ms int4 step)."""
         quant = self._head_quant if j == 4 else self._quant[j]
         if quant is None:
             if key in self._native:

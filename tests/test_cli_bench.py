@@ -475,3 +475,15 @@ def test_bench_quant_linear_times_every_form_at_every_row_count(tiny_dirs, capsy
     table = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [int(r.split("|")[1]) for r in table] == [1, 2, 4, 8, 16, 32]
     assert all(len(r.split("|")) == 7 for r in table) and "relative error" in out
+
+
+def test_bench_step_times_each_feed_of_the_lean_forward(tiny_dirs, capsys):
+    """scripts/bench_step.py: a row per T, eager and quantized (the compiled form runs in test_compiled)."""
+    assert load_script("bench_step").main(["--llm", str(tiny_dirs / "llm"), "--dtype", "fp32", "--quantize", "int8",
+                                           "--tokens", "1,3", "--reps", "2", "--cache", "5"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [int(r.split("|")[1]) for r in rows] == [1, 3] and all(float(r.split("|")[2]) > 0 for r in rows)
+    assert "fp32 int8, eager" in out
+    with pytest.raises(SystemExit, match="comma-separated"):
+        load_script("bench_step").main(["--llm", str(tiny_dirs / "llm"), "--tokens", "1,x"])
