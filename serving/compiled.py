@@ -19,9 +19,10 @@ How:
   key. The weights thus never enter the graph: inductor's cache on disk serves a second process (the
   LLM's two graphs: ~60 s the first time, ~13 s cached), where freezing the weights into the graph
   would compile again in every process.
-- Quantized products (``serving/quantize.py``) are called in the graph itself: their weights, stacked
-  per kind of product over the layers (five tensors and their scales), are buffers of the module and
-  so inputs of the graph, not constants, and the cache still serves the next process.
+- A quantized runner's products (``serving/quantize.py``) are called in the graph itself: its weights,
+  stacked per kind of product over the layers by ``LeanRunner.quantize`` (five tensors and their
+  scales), are buffers of the module and so inputs of the graph, not constants, and the cache still
+  serves the next process.
 - Inductor's C++ wrapper runs the graph. Where ``serving/native.py`` could build it, the op is C++ too
   (``boosttune_native::linear``, ``serving/native_ops.cpp``): no Python runs within a step. Otherwise
   the op registered here in Python serves (~9 us a call: 1.4 ms of a bf16 step's 211 products).
@@ -78,26 +79,21 @@ def _packed_linear_shape(x: Tensor, key: int, out_features: int) -> Tensor:
 
 
 def _register(product: Product) -> tuple[int, bool]:
-    """A key for ``product``: a Linear's weight and the packed copy it multiplies with (``cpu_linear``;
-    ``F.linear`` where it takes another form), or a quantized product (``serving/quantize.py``). The eager
-    forward's own weights, not copies. Returns the key and whether the C++ op ``boosttune_native::linear``
-    holds it too (a Linear, where ``serving/native.py`` could build it)."""
+    """A key for ``product``, a Linear: its weight and the packed copy it multiplies with (``cpu_linear``;
+    ``F.linear`` where it takes another form), the eager forward's own weights, not copies. Returns the
+    key and whether the C++ op ``boosttune_native::linear`` holds it too (where ``serving/native.py``
+    could build it)."""
     key = next(_KEYS)
-    in_native = False
-    if isinstance(product, QuantLinear):
-        out, fn = product.out_features, product
-    else:
-        w = product.weight.detach()
-        packed = isinstance(product, cpu_linear.CpuLinear) and product.mode == "packed"
-        weight = product.packed_weight() if packed else w
-        fn = (functools.partial(cpu_linear.packed_linear, packed=weight) if packed
-              else functools.partial(F.linear, weight=weight))
-        out = w.shape[0]
-        if native.available():
-            torch.ops.boosttune_native.put(weight, key, packed)
-            in_native = True
-    _PRODUCTS[key] = (out, fn)
-    return key, in_native
+    w = product.weight.detach()
+    packed = isinstance(product, cpu_linear.CpuLinear) and product.mode == "packed"
+    weight = product.packed_weight() if packed else w
+    fn = (functools.partial(cpu_linear.packed_linear, packed=weight) if packed
+          else functools.partial(F.linear, weight=weight))
+    _PRODUCTS[key] = (w.shape[0], fn)
+    if native.available():
+        torch.ops.boosttune_native.put(weight, key, packed)
+        return key, True
+    return key, False
 
 
 def _drop(keys: list[int], native_keys: frozenset[int]) -> None:
@@ -105,21 +101,6 @@ def _drop(keys: list[int], native_keys: frozenset[int]) -> None:
         _PRODUCTS.pop(key, None)
         if key in native_keys:
             torch.ops.boosttune_native.drop(key)
-
-
-def _stack_quantized(module: torch.nn.Module, name: str, products: list[Product]) -> tuple[str, int] | None:
-    """Where ``products`` (one per layer, alike) are all quantized: register their weights and scales as
-    ``module``'s buffers ``name + "_w"`` and ``name + "_s"`` (each layer's along dim 0), point each
-    product at its slice (no second copy), and return (scheme, group); else None."""
-    if not products or not all(isinstance(p, QuantLinear) for p in products):
-        return None
-    quant = [p for p in products if isinstance(p, QuantLinear)]  # all of them, typed
-    packed, scales = torch.stack([p.packed for p in quant]), torch.stack([p.scales for p in quant])
-    for i, p in enumerate(quant):
-        p.packed, p.scales = packed[i], scales[i]
-    module.register_buffer(name + "_w", packed, persistent=False)
-    module.register_buffer(name + "_s", scales, persistent=False)
-    return quant[0].scheme, quant[0].group
 
 
 def compile_reason(runner: object) -> str | None:
@@ -157,14 +138,22 @@ class CompiledForward(torch.nn.Module):
 
         layers = [runner.products(i) for i in range(len(body.layers))]
         head = runner._head if runner._head is not None else runner.lm_product()
-        # quantized products are called in the graph itself, on their weights stacked per kind of product
-        # (one input per kind: each tensor input costs guards and arguments on every call)
-        self._quant = tuple(_stack_quantized(self, f"_q{j}", [ly[j] for ly in layers]) for j in range(4))
-        self._head_quant = _stack_quantized(self, "_qh", [head])
-        self._layers = tuple(tuple((-1, p.out_features) if self._quant[j] else reg(p) for j, p in enumerate(ly))
-                             for ly in layers)
-        # a drafter's head may be restricted to a draft vocabulary: (K,) ids, their rows' logits, -inf elsewhere
-        self._head = (-1, head.out_features) if self._head_quant else reg(head)
+        # a quantized runner's products are called in the graph itself, on its weights stacked per kind of
+        # product (one input per kind: each tensor input costs guards and arguments on every call)
+        self._quant: tuple[str, int] | None = None  # (scheme, group)
+        if runner.quantized is not None:
+            first = layers[0][0]
+            assert isinstance(first, QuantLinear)
+            self._quant = runner.quantized, first.group
+            for j, (packed, scales) in enumerate(runner.quant_stacks):
+                self.register_buffer(f"_qw{j}", packed, persistent=False)
+                self.register_buffer(f"_qs{j}", scales, persistent=False)
+            self._layers = tuple(tuple((-1, p.out_features) for p in ly) for ly in layers)
+            self._head = (-1, head.out_features)
+        else:
+            self._layers = tuple(tuple(reg(p) for p in ly) for ly in layers)
+            # a drafter's head may be restricted to a draft vocabulary: (K,) ids, their rows' logits, -inf elsewhere
+            self._head = reg(head)
         self._head_ids = runner.head_ids
         self._vocab = runner.lm_product().out_features
         # the norms' weights enter the graph as one input (tensors held as constants defeat the compile
@@ -198,14 +187,12 @@ class CompiledForward(torch.nn.Module):
         op that finds its weight by ``key``: the C++ one where it holds the key, else the one registered in
         Python. A quantized product (``key`` -1) calls its kernel in the graph itself, which saves a call
         back into Python per product (~1 ms of a 7.7 ms int4 step)."""
-        quant = self._head_quant if j == 4 else self._quant[j]
-        if quant is None:
+        if self._quant is None:
             if key in self._native:
                 return torch.ops.boosttune_native.linear(x, key, out_features)
             return torch.ops.boosttune.packed_linear(x, key, out_features)
-        scheme, group = quant
-        name = "_qh" if j == 4 else f"_q{j}"
-        packed, scales = getattr(self, name + "_w")[i], getattr(self, name + "_s")[i]
+        scheme, group = self._quant
+        packed, scales = getattr(self, f"_qw{j}")[i], getattr(self, f"_qs{j}")[i]
         flat = x.reshape(-1, x.shape[-1])  # (R, I)
         if scheme == "int8":
             out = torch.ops.aten._weight_int8pack_mm(flat, packed, scales)

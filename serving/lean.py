@@ -141,6 +141,9 @@ class LeanRunner(ModelRunner):
         self._down: list[Product] = [ly.mlp.down_proj for ly in body.layers]
         self._lm: Product = model.get_output_embeddings()
         self.quantized: str | None = None  # "int8" / "int4" after ``quantize``
+        # after ``quantize``: per kind of product (q/k/v, o, gate/up, down, LM head) every layer's quantized
+        # weights and scales stacked along dim 0 (``quantize.stack``); the products are their slices
+        self.quant_stacks: tuple[tuple[Tensor, Tensor], ...] = ()
         self._scale = body.layers[0].self_attn.scaling if body.layers else 1.0
         self._len = 0
         self._keys: list[Tensor] = []  # per layer (G, capacity, C)
@@ -215,7 +218,9 @@ class LeanRunner(ModelRunner):
                 raise ValueError(f"--quantize {scheme}: {why}; this LLM takes int8 or no --quantize")
         layers = [[quantize_mod.QuantLinear.from_weight(w, scheme, group) for w in layer] for layer in weights]
         lm = quantize_mod.QuantLinear.from_weight(head, scheme, group)
-        self._qkv, self._o, self._gate_up, self._down = (list(products) for products in zip(*layers, strict=True))
+        kinds = [list(products) for products in zip(*layers, strict=True)]
+        self.quant_stacks = tuple(quantize_mod.stack(products) for products in [*kinds, [lm]])
+        self._qkv, self._o, self._gate_up, self._down = kinds
         self._lm = lm
         self.quantized = scheme
         return lm.nbytes + sum(p.nbytes for layer in layers for p in layer)

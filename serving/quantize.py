@@ -144,3 +144,13 @@ class QuantLinear:
     def nbytes(self) -> int:
         """Bytes of the quantized weight and its scales."""
         return self.packed.numel() * self.packed.element_size() + self.scales.numel() * self.scales.element_size()
+
+
+def stack(products: list[QuantLinear]) -> tuple[Tensor, Tensor]:
+    """Stack like ``products``' (one per layer) weights and scales along a new dim 0 and point each product
+    at its slice, so that the weights are held once; returns (packed, scales). A compiled forward takes
+    one input per stack instead of one per product (``serving/compiled.py``)."""
+    packed, scales = torch.stack([p.packed for p in products]), torch.stack([p.scales for p in products])
+    for i, p in enumerate(products):
+        p.packed, p.scales = packed[i], scales[i]
+    return packed, scales

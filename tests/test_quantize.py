@@ -98,6 +98,12 @@ def test_every_product_of_the_llm_is_quantized(scheme):
     llm = tiny_llama(3, layers=2)
     runner = LeanRunner(llm)
     assert runner.quantize(scheme) > 0 and runner.quantized == scheme
+    # the weights are held once, stacked per kind of product; each layer's product is a slice of its stack
+    kinds = [[runner.products(i)[j] for i in range(2)] for j in range(4)] + [[runner.lm_product()]]
+    assert len(runner.quant_stacks) == 5
+    for products, (packed, scales) in zip(kinds, runner.quant_stacks, strict=True):
+        assert all(p.packed.data_ptr() == packed[i].data_ptr() and p.scales.data_ptr() == scales[i].data_ptr()
+                   for i, p in enumerate(products))
     ref = ModelRunner(_dequantized_model(llm, scheme))
     plain = ModelRunner(llm)
     prompt = torch.tensor([3, 9, 4, 17, 2])
