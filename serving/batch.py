@@ -13,7 +13,10 @@ requests join and leave the batch between steps, and vLLM, SGLang and llama-serv
 Each request is a :class:`~boosttune.serving.engine.Stream` with caches of its own: an LLM runner
 and a set of drafters spawned from the engine's (same weights, ``LeanRunner.spawn``,
 ``Drafter.spawn``), taken from a pool and given back when the request leaves, so their buffers are
-reused. A request's prefill runs when it joins, alone; from then on it steps with the others.
+reused. The LLM caches are slots of one pool (``serving/pooled.py``), so that a step's attention is
+one call per layer for all requests. Requests that join at once prefill in one forward (``add_many``):
+with 16 clients whose requests start and end together, 16 prefills one after another stalled every
+other request for their sum. From then on a request steps with the others.
 Each request verifies its own tree against its own rows of the shared forward with its own sampling
 generator, so its output is what it would be alone: in fp32 token-identical for greedy decoding
 (``tests/test_batch.py``), and from the same distribution when sampled.
@@ -35,9 +38,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from boosttune.serving.drafter import Drafter
-from boosttune.serving.engine import Planner, SpeculativeEngine, Stream, TokenCallback
+from boosttune.serving.engine import Opening, Planner, SpeculativeEngine, Stream, TokenCallback
 from boosttune.serving.lean import Feed, LeanRunner, run_many
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
@@ -50,6 +54,9 @@ MT-bench first turns, 64 tokens, the demo bundle's feature head and prompt looku
 for 16 (``scripts/bench_server.py`` has the served figures). vLLM turns speculation off above a batch
 size in the same way (its ``speculative_disable_by_batch_size``)."""
 
+PREFILL_TOKENS = 512
+"""Prompt tokens that requests joining at once prefill in one forward (``BatchedDecoder.add_many``)."""
+
 
 def batch_reason(engine: SpeculativeEngine) -> str | None:
     """Why ``engine`` cannot decode several requests at once (None: it can)."""
@@ -57,6 +64,41 @@ def batch_reason(engine: SpeculativeEngine) -> str | None:
         return (f"its LLM runs through {type(engine.llm).__name__}, and only the lean llama forward "
                 "(serving/lean.py) feeds several requests at once")
     return None
+
+
+@dataclass
+class Request:
+    """A request to add (``BatchedDecoder.add``'s arguments)."""
+
+    prompt_ids: Sequence[int]
+    stop: StopCriteria
+    sampling: SamplingParams | None = None
+    on_tokens: TokenCallback | None = None
+    planner: Planner | None = None
+    tag: object = None
+
+
+def _prefill_feed(o: Opening) -> Feed:
+    """The prefill of ``o``'s prompt (all but its pending token) as a feed of its runner."""
+    t = o.prefix.numel()
+    return Feed(o.prefix.unsqueeze(0), torch.arange(t).unsqueeze(0), 0, torch.ones(t, t, dtype=torch.bool).tril(),
+                hidden=o.wants_hidden, logits=False)
+
+
+def _groups(sizes: Sequence[tuple[int, int]], cap: int) -> list[set[int]]:
+    """Requests ``(index, prompt tokens)`` with a prompt, in order, grouped so that a group's tokens stay
+    within ``cap`` (a larger prompt alone)."""
+    groups: list[set[int]] = []
+    total = cap + 1
+    for j, n in sizes:
+        if n == 0:
+            continue
+        if total + n > cap:
+            groups.append(set())
+            total = 0
+        groups[-1].add(j)
+        total += n
+    return groups
 
 
 @dataclass
@@ -79,10 +121,11 @@ class BatchedDecoder:
     """Decodes up to ``max_batch`` requests at once over one engine's LLM and drafters."""
 
     def __init__(self, engine: SpeculativeEngine, max_batch: int = 16, max_tokens: int = 64,
-                 draft_max_batch: int = DRAFT_MAX_BATCH):
+                 draft_max_batch: int = DRAFT_MAX_BATCH, prefill_tokens: int = PREFILL_TOKENS):
         """``max_batch``: requests decoding at once; ``max_tokens``: tokens one step may verify in all
         (each request's pending token counts, so at least ``max_batch``); ``draft_max_batch``: requests
-        draft only while the batch holds at most this many (0: never)."""
+        draft only while the batch holds at most this many (0: never); ``prefill_tokens``: prompt tokens
+        that joining requests prefill in one forward (``add_many``)."""
         why = batch_reason(engine)
         if why is not None:
             raise ValueError(f"this engine cannot batch requests: {why}")
@@ -93,10 +136,15 @@ class BatchedDecoder:
                              "feeds its pending token each step")
         if draft_max_batch < 0:
             raise ValueError(f"draft_max_batch must be >= 0, got {draft_max_batch}")
+        if prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         self.engine, self.max_batch, self.max_tokens = engine, max_batch, max_tokens
-        self.draft_max_batch = draft_max_batch
+        self.draft_max_batch, self.prefill_tokens = draft_max_batch, prefill_tokens
         self.members: list[Member] = []
         self._pool: list[tuple[LeanRunner, dict[str, Drafter]]] = []
+        llm = engine.llm
+        assert isinstance(llm, LeanRunner)
+        self._kv = llm.new_pool(max_batch)  # every request's LLM cache, a slot each (``serving/pooled.py``)
         self._turn = 0  # which member drafts first this step
 
     def __len__(self) -> int:
@@ -112,26 +160,61 @@ class BatchedDecoder:
         llm = self.engine.llm
         assert isinstance(llm, LeanRunner)
         memo: dict[int, object] = {}
-        return llm.spawn(), {name: d.spawn(memo) for name, d in self.engine.drafters.items()}
+        return llm.spawn(self._kv), {name: d.spawn(memo) for name, d in self.engine.drafters.items()}
 
     def add(
         self, prompt_ids: Sequence[int], stop: StopCriteria, sampling: SamplingParams | None = None,
         on_tokens: TokenCallback | None = None, *, planner: Planner | None = None, tag: object = None,
     ) -> Member:
         """Prefill a request and add it to the batch (``SpeculativeEngine.generate``'s arguments;
-        ``tag``: the caller's handle, kept on the member)."""
-        if self.full:
-            raise RuntimeError(f"the batch is full ({self.max_batch} requests)")
-        caches = self._caches()
-        try:
-            stream = self.engine.open(prompt_ids, stop, sampling, on_tokens, planner=planner,
-                                      llm=caches[0], drafters=caches[1])
-        except BaseException:
+        ``tag``: the caller's handle, kept on the member). Raises what its prefill raised."""
+        out = self.add_many([Request(prompt_ids, stop, sampling, on_tokens, planner, tag)])[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    @torch.inference_mode()
+    def add_many(self, requests: Sequence[Request]) -> list[Member | Exception]:
+        """Prefill ``requests`` and add them to the batch; per request, its member or what failed it
+        (a failed request is not added; the others are). Their prompts are prefilled together, one
+        forward per ``prefill_tokens`` prompt tokens (a prompt longer than that alone): on a CPU a
+        forward of many tokens costs less than the same tokens in several forwards."""
+        if len(self.members) + len(requests) > self.max_batch:
+            raise RuntimeError(f"the batch holds {len(self.members)} of {self.max_batch} requests: "
+                               f"{len(requests)} more do not fit")
+        out: list[Member | Exception | None] = [None] * len(requests)
+        openings: list[tuple[int, Opening, tuple[LeanRunner, dict[str, Drafter]]]] = []
+        for j, r in enumerate(requests):
+            caches = self._caches()
+            try:
+                openings.append((j, self.engine.begin(r.prompt_ids, r.stop, r.sampling, r.on_tokens,
+                                                      planner=r.planner, llm=caches[0], drafters=caches[1]), caches))
+            except Exception as e:
+                self._pool.append(caches)
+                out[j] = e
+        hidden: dict[int, Tensor | None] = {}
+        for group in _groups([(j, o.prefix.numel()) for j, o, _ in openings], self.prefill_tokens):
+            feeds = [(o.llm, _prefill_feed(o)) for j, o, _ in openings if j in group]
+            try:
+                outs = run_many(feeds) if feeds else []
+            except Exception as e:  # the shared prefill failed: every request in it fails
+                for j in group:
+                    out[j] = e
+                continue
+            hidden.update(zip(sorted(group), (h for _, h in outs), strict=True))
+        for j, o, caches in openings:
+            if out[j] is None:
+                try:
+                    member = Member(self.engine.opened(o, hidden.get(j)), caches, tag=requests[j].tag)
+                except Exception as e:
+                    out[j] = e
+                else:
+                    self.members.append(member)
+                    out[j] = member
+                    continue
             self._pool.append(caches)
-            raise
-        member = Member(stream, caches, tag=tag)
-        self.members.append(member)
-        return member
+        assert all(m is not None for m in out)
+        return out  # type: ignore[return-value]
 
     def remove(self, member: Member) -> None:
         """Take ``member`` out of the batch (finished, failed or cancelled)."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -193,7 +194,19 @@ class SpeculativeEngine:
         return stream.result()
 
     @torch.inference_mode()
-    def open(
+    def open(self, *args: Any, **kwargs: Any) -> Stream:
+        """Prefill a request and return its :class:`Stream`, ready to step (``begin``'s arguments).
+        ``begin`` and ``opened`` are its two halves, for a caller that prefills several requests in one
+        forward (``serving/batch.py``)."""
+        opening = self.begin(*args, **kwargs)
+        hidden = None
+        if opening.prefix.numel() and not opening.wants_hidden:  # prefill all but the pending token
+            opening.llm.prefill(opening.prefix)
+        elif opening.wants_hidden:
+            hidden = opening.llm.chain_hidden(opening.prefix) if opening.prefix.numel() else None
+        return self.opened(opening, hidden)
+
+    def begin(
         self,
         prompt_ids: Sequence[int],
         stop: StopCriteria,
@@ -205,12 +218,14 @@ class SpeculativeEngine:
         record: bool = False,
         llm: ModelRunner | None = None,
         drafters: Mapping[str, Drafter] | None = None,
-    ) -> Stream:
-        """Prefill a request and return its :class:`Stream` (``generate``'s arguments), ready to step.
+    ) -> Opening:
+        """``open``'s first half (``generate``'s arguments): checks the request and resets its caches; the
+        caller then prefills ``Opening.prefix`` into ``Opening.llm`` (keeping the hidden states where
+        ``Opening.wants_hidden``) and hands them to ``opened``.
 
         ``llm`` and ``drafters`` hold the request's caches: the engine's own by default, or a spawned
         set (``ModelRunner.spawn``, ``Drafter.spawn``) when several requests decode at once
-        (``serving/batch.py``). Both are reset first."""
+        (``serving/batch.py``). Both are reset here."""
         sampling = sampling or SamplingParams()
         if len(prompt_ids) == 0:
             raise ValueError("prompt_ids must hold at least one token")
@@ -223,25 +238,53 @@ class SpeculativeEngine:
         for d in drafters.values():
             d.reset()
         committed = list(prompt_ids)
-        prefix = torch.tensor(committed[:-1], dtype=torch.long)
-        plan_s = 0.0
-        readers = [d for d in drafters.values() if d.observes_features()]
-        if planner is None and not readers:
-            if len(committed) > 1:  # prefill all but the pending token
-                llm.prefill(prefix)
-        else:
-            width = llm.model.get_output_embeddings().weight.shape[1]
-            hidden = (llm.chain_hidden(prefix) if len(committed) > 1
-                      else torch.zeros(0, width * (1 + len(llm.taps)), device=llm.device))  # on chain_hidden's device
-            for d in readers:
-                d.observe(reader_features(hidden, width, llm.taps, d.feature_layers()))
-            if planner is not None:
+        return Opening(llm, drafters, committed, torch.tensor(committed[:-1], dtype=torch.long), stop, sampling,
+                       on_tokens, plan, planner, record, start)
+
+    @torch.inference_mode()
+    def opened(self, opening: Opening, hidden: Tensor | None) -> Stream:
+        """``open``'s second half, after the prefill: ``hidden`` are the prefix's (P, (1 + taps) H) LLM
+        hidden states where ``opening.wants_hidden`` (None otherwise, or for an empty prefix)."""
+        o = opening
+        plan, plan_s = o.plan, 0.0
+        if o.wants_hidden:
+            width = o.llm.model.get_output_embeddings().weight.shape[1]
+            if hidden is None:  # on chain_hidden's device
+                hidden = torch.zeros(0, width * (1 + len(o.llm.taps)), device=o.llm.device)
+            for d in o.drafters.values():
+                if d.observes_features():
+                    d.observe(reader_features(hidden, width, o.llm.taps, d.feature_layers()))
+            if o.planner is not None:
                 t0 = time.perf_counter()
-                plan = planner(hidden[:, :width])
+                plan = o.planner(hidden[:, :width])
                 plan_s = time.perf_counter() - t0
-        prefill_s = time.perf_counter() - start - plan_s
+        prefill_s = time.perf_counter() - o.start - plan_s
         plan = self._checked(plan) if plan is not None else self.plan
-        return Stream(llm, drafters, committed, stop, sampling, on_tokens, plan, record, start, prefill_s, plan_s)
+        return Stream(o.llm, o.drafters, o.committed, o.stop, o.sampling, o.on_tokens, plan, o.record, o.start,
+                      prefill_s, plan_s)
+
+
+@dataclass
+class Opening:
+    """A request between ``SpeculativeEngine.begin`` and ``opened``: its caches (reset), its prompt and
+    what the prefill must give. ``prefix``: the (P,) prompt tokens but the last (the pending one)."""
+
+    llm: ModelRunner
+    drafters: Mapping[str, Drafter]
+    committed: list[int]
+    prefix: Tensor
+    stop: StopCriteria
+    sampling: SamplingParams
+    on_tokens: TokenCallback | None
+    plan: Plan | None
+    planner: Planner | None
+    record: bool
+    start: float
+
+    @property
+    def wants_hidden(self) -> bool:
+        """Whether the prefill must keep the LLM's hidden states (for feature heads or the planner)."""
+        return self.planner is not None or any(d.observes_features() for d in self.drafters.values())
 
 
 class Stream:

@@ -47,6 +47,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from boosttune.kernels.tree_attention import full_mask, tree_attention
 from boosttune.serving import cpu_linear
 from boosttune.serving import quantize as quantize_mod
+from boosttune.serving.pooled import KVPool, PooledStep, shared_pool
 from boosttune.serving.runner import ModelRunner
 
 ENV_VAR = "BOOSTTUNE_LEAN"
@@ -148,6 +149,8 @@ class LeanRunner(ModelRunner):
         self._len = 0
         self._keys: list[Tensor] = []  # per layer (G, capacity, C)
         self._values: list[Tensor] = []
+        self._pool: KVPool | None = None  # where the cache lives when it is a slot of a pool (``spawn``)
+        self._slot = -1
         # the compiled single-request forward (``compiled.CompiledForward``, given by ``compiled.compile_runner``)
         self.compiled: Callable[..., tuple[Tensor, Tensor]] | None = None
 
@@ -160,6 +163,9 @@ class LeanRunner(ModelRunner):
 
     def _reserve(self, n: int, dtype: torch.dtype) -> None:
         """Room for ``n`` cached positions (doubling: a request's growth costs O(S) copies in all)."""
+        if self._pool is not None:
+            self._pool.reserve(n, dtype)
+            return
         cap = self._keys[0].shape[1] if self._keys else 0
         if n <= cap and self._keys and self._keys[0].dtype == dtype:
             return
@@ -225,12 +231,19 @@ class LeanRunner(ModelRunner):
         self.quantized = scheme
         return lm.nbytes + sum(p.nbytes for layer in layers for p in layer)
 
-    def spawn(self) -> LeanRunner:
+    def spawn(self, pool: KVPool | None = None) -> LeanRunner:
         """A runner of the same model and fused weights with an empty cache of its own (one per
-        request of a batch: :func:`run_many` feeds several at once)."""
+        request of a batch: :func:`run_many` feeds several at once), in a slot of ``pool`` if given
+        (``new_pool``: then a forward of several attends in one call per layer)."""
         other = copy.copy(self)
-        other._keys, other._values, other._len = [], [], 0
+        other._keys, other._values, other._len, other._pool, other._slot = [], [], 0, None, -1
+        if pool is not None:
+            other._pool, other._slot = pool, pool.attach(other)
         return other
+
+    def new_pool(self, slots: int) -> KVPool:
+        """An empty :class:`~boosttune.serving.pooled.KVPool` of ``slots`` caches of this model."""
+        return KVPool(slots, len(self._qkv), self._g, self._c, self.device)
 
     @torch.inference_mode()
     def _run(
@@ -323,10 +336,33 @@ def _mask(prefix_len: int, tree_mask: Tensor, s: int, rep: int) -> _Mask:
     return _Mask(folded=mask.repeat(rep, 1))
 
 
+def _attend_each(feeds: Sequence[tuple[LeanRunner, Feed]], spans: Sequence[tuple[int, int, int, int]],
+                 masks: Sequence[_Mask | None], i: int, q: Tensor, k: Tensor, v: Tensor, rep: int, scale: float) -> Tensor:
+    """Layer ``i``'s attention feed by feed, each over its runner's own cache: writes the fed (1, G, sum T, C)
+    keys ``k`` and values ``v`` and returns the (1, Q, sum T, C) output of the queries ``q``."""
+    q_n, g_n, c = q.shape[1], k.shape[1], q.shape[3]
+    outs = []
+    for (runner, f), (a, b, s0, s), mask in zip(feeds, spans, masks, strict=True):
+        assert mask is not None
+        keys, values = runner._keys[i], runner._values[i]
+        keys[:, s0:s] = k[0, :, a:b]
+        values[:, s0:s] = v[0, :, a:b]
+        if mask.raw is None:  # tree_attention_reference's computation, its mask made once per forward
+            qg = q[:, :, a:b].reshape(1, g_n, rep * (b - a), c)  # (1, G, rep T, C)
+            att = F.scaled_dot_product_attention(qg, keys[None, :, :s], values[None, :, :s],
+                                                 attn_mask=mask.folded, scale=scale)
+            outs.append(att.reshape(1, q_n, b - a, c))
+        else:
+            outs.append(tree_attention(q[:, :, a:b], keys[None, :, :s], values[None, :, :s], f.prefix_len,
+                                       mask.raw, scale))  # (1, Q, T, C)
+    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
 @torch.inference_mode()
 def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor | None, Tensor | None]]:
     """Feed several runners of one model (each its own request's cache) in one forward: the tokens of
-    all feeds go through every matrix product together, attention reads each runner's own cache.
+    all feeds go through every matrix product together, attention reads each runner's own cache (in
+    one call per layer where the runners' caches are slots of one pool, ``serving/pooled.py``).
 
     Per feed, returns what that runner's ``_run`` would: the (T, V) fp32 logits (None without
     ``Feed.logits``) and, with ``Feed.hidden``, the (T, H) fp32 last-layer hidden states (then the
@@ -351,17 +387,22 @@ def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor | No
         x = body.embed_tokens(f.inputs.to(dev)) if f.inputs.dim() == 2 else f.inputs.to(dev)  # (1, T, H)
         embeds.append(x.to(body.embed_tokens.weight.dtype))
         positions.append(f.position_ids.to(dev))
-        spans.append((off, off + t, runner._len, s, _mask(f.prefix_len, f.tree_mask.to(dev), s, q_rep)))
+        spans.append((off, off + t, runner._len, s))
         off += t
+    pool = shared_pool([r for r, _ in feeds]) if len(feeds) > 1 and q_rep else None
+    pooled = None if pool is None else PooledStep.plan(
+        pool, [(r, f.prefix_len, f.tree_mask, *span) for (r, f), span in zip(feeds, spans, strict=True)], q_rep)
+    masks = [None if pooled is not None else _mask(f.prefix_len, f.tree_mask.to(dev), s, q_rep)
+             for (_, f), (_, _, _, s) in zip(feeds, spans, strict=True)]
     x = torch.cat(embeds, dim=1) if len(embeds) > 1 else embeds[0]  # (1, sum T, H)
     cos, sin = body.rotary_emb(x, torch.cat(positions, dim=1) if len(positions) > 1 else positions[0])
-    for (runner, _), (_, _, _, s, _) in zip(feeds, spans, strict=True):
+    for (runner, _), (_, _, _, s) in zip(feeds, spans, strict=True):
         runner._reserve(s, x.dtype)
     only = feeds[0][1]
-    if len(feeds) == 1 and first.compiled is not None and only.logits and spans[0][4].raw is None:
+    if len(feeds) == 1 and first.compiled is not None and only.logits and masks[0].raw is None:
         s0, s = spans[0][2], spans[0][3]
         logits, last = first.compiled(x, cos, sin, torch.arange(s0, s, device=dev), first._keys, first._values, s,
-                                      spans[0][4].folded)
+                                      masks[0].folded)
         first._len = s
         return [(logits, last if only.hidden else None)]
     q_n, g_n, c, n = first._q, first._g, first._c, x.shape[1]
@@ -375,25 +416,15 @@ def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor | No
         k = qkv[..., q_n * c : (q_n + g_n) * c].view(1, n, g_n, c).transpose(1, 2)  # (1, G, sum T, C)
         v = qkv[..., (q_n + g_n) * c :].view(1, n, g_n, c).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        outs = []
-        for (runner, f), (a, b, s0, s, mask) in zip(feeds, spans, strict=True):
-            keys, values = runner._keys[i], runner._values[i]
-            keys[:, s0:s] = k[0, :, a:b]
-            values[:, s0:s] = v[0, :, a:b]
-            if mask.raw is None:  # tree_attention_reference's computation, its mask made once per forward
-                qg = q[:, :, a:b].reshape(1, g_n, q_rep * (b - a), c)  # (1, G, rep T, C)
-                att = F.scaled_dot_product_attention(qg, keys[None, :, :s], values[None, :, :s],
-                                                     attn_mask=mask.folded, scale=first._scale)
-                outs.append(att.reshape(1, q_n, b - a, c))
-            else:
-                outs.append(tree_attention(q[:, :, a:b], keys[None, :, :s], values[None, :, :s], f.prefix_len,
-                                           mask.raw, first._scale))  # (1, Q, T, C)
-        att = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (1, Q, sum T, C)
+        if pooled is not None:
+            att = pooled.attend(i, q, k, v, first._scale)  # (1, Q, sum T, C)
+        else:
+            att = _attend_each(feeds, spans, masks, i, q, k, v, q_rep, first._scale)
         x = x + first._o[i](att.transpose(1, 2).reshape(1, n, q_n * c))
         h = layer.post_attention_layernorm(x)
         gate, up = first._gate_up[i](h).chunk(2, dim=-1)
         x = x + first._down[i](F.silu(gate) * up)
-    for (runner, _), (_, _, _, s, _) in zip(feeds, spans, strict=True):
+    for (runner, _), (_, _, _, s) in zip(feeds, spans, strict=True):
         runner._len = s
     last = body.norm(x)[0]  # (sum T, H)
     hidden = (torch.cat([last, *(tapped[i] for i in first.taps)], -1).float()
@@ -408,4 +439,4 @@ def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor | No
             at[a], off = off, off + b - a
     logits = first._restricted_logits(rows) if first._head is not None else first._lm(rows).float()
     return [(logits[at[a] : at[a] + b - a] if f.logits else None, hidden[a:b] if f.hidden and hidden is not None else None)
-            for (_, f), (a, b, _, _, _) in zip(feeds, spans, strict=True)]
+            for (_, f), (a, b, _, _) in zip(feeds, spans, strict=True)]

@@ -7,7 +7,7 @@ import torch
 from conftest import noisy_head, perturbed, tiny_llama
 
 from boosttune.assemble import engine_from_models
-from boosttune.serving.batch import BatchedDecoder, batch_reason
+from boosttune.serving.batch import BatchedDecoder, Member, Request, batch_reason
 from boosttune.serving.engine import Plan, SpeculativeEngine
 from boosttune.serving.lean import Feed, LeanRunner, run_many
 from boosttune.serving.runner import ModelRunner
@@ -51,15 +51,17 @@ def _alone(engine, i, sampling=None):
 
 
 def _run_batch(batch: BatchedDecoder, joins: dict[int, list[int]], sampling=lambda i: None) -> dict[int, list[int]]:
-    """Step the batch; at step s the requests ``joins[s]`` join. Returns each request's tokens."""
+    """Step the batch; at step s the requests ``joins[s]`` join, prefilled together. Returns each
+    request's tokens."""
     streamed: dict[int, list[int]] = {}
     out: dict[int, list[int]] = {}
     step = 0
     while step <= max(joins) or len(batch):
         for i in joins.get(step, []):
             streamed[i] = []
-            batch.add(PROMPTS[i], StopCriteria(max_new_tokens=LENGTHS[i]), sampling(i),
-                      on_tokens=streamed[i].extend, tag=i)
+        joined = batch.add_many([Request(PROMPTS[i], StopCriteria(max_new_tokens=LENGTHS[i]), sampling(i),
+                                         on_tokens=streamed[i].extend, tag=i) for i in joins.get(step, [])])
+        assert all(isinstance(m, Member) for m in joined), joined
         for m in batch.step():
             assert m.error is None, m.error
             out[m.tag] = m.stream.result().tokens
@@ -115,13 +117,33 @@ def test_prefill_skips_the_lm_head_and_leaves_the_cache_as_a_full_forward_does(m
     assert a.cached_len == 37
 
 
-@pytest.mark.parametrize("max_tokens", [64, 9])  # 8: trees cut to the budget, some steps without drafting
-def test_greedy_requests_joining_mid_stream_decode_as_alone(models, max_tokens):
+@pytest.mark.parametrize(("max_tokens", "prefill_tokens"), [(64, 512), (9, 8)])
+def test_greedy_requests_joining_mid_stream_decode_as_alone(models, max_tokens, prefill_tokens):
+    """max_tokens 9: trees cut to the budget, some steps without drafting; prefill_tokens 8: the
+    joining prompts (4, 0 and 13 tokens before the pending one) prefill in two forwards."""
     engine = _engine(models)
     want = {i: _alone(engine, i) for i in range(len(PROMPTS))}
-    batch = BatchedDecoder(engine, max_batch=5, max_tokens=max_tokens, draft_max_batch=5)
+    batch = BatchedDecoder(engine, max_batch=5, max_tokens=max_tokens, draft_max_batch=5,
+                           prefill_tokens=prefill_tokens)
     got = _run_batch(batch, {0: [0, 1, 2], 2: [3], 5: [4]})
     assert got == want
+
+
+def test_a_request_that_fails_to_join_leaves_the_others_joining(models):
+    engine = _engine(models)
+    want = {i: _alone(engine, i) for i in (0, 2)}
+    batch = BatchedDecoder(engine, max_batch=3, max_tokens=64, draft_max_batch=3)
+    stop = StopCriteria(max_new_tokens=LENGTHS[0])
+    joined = batch.add_many([Request(PROMPTS[0], stop, tag=0), Request([], stop, tag=1),
+                             Request(PROMPTS[2], StopCriteria(max_new_tokens=LENGTHS[2]), tag=2)])
+    assert isinstance(joined[1], ValueError) and "at least one token" in str(joined[1])
+    assert [m.tag for m in batch.members] == [0, 2] and len(batch._kv.users) == 2  # its caches went to the next
+    out = {}
+    while len(batch):
+        out.update((m.tag, m.stream.result().tokens) for m in batch.step())
+    assert out == want
+    with pytest.raises(RuntimeError, match="do not fit"):
+        batch.add_many([Request(PROMPTS[0], stop)] * 4)
 
 
 def test_requests_with_an_eagle3_head_decode_as_alone(models):

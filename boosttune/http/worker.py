@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from boosttune.assemble import Served
-from boosttune.serving.batch import DRAFT_MAX_BATCH, BatchedDecoder, Member, batch_reason
+from boosttune.serving.batch import DRAFT_MAX_BATCH, BatchedDecoder, Member, Request, batch_reason
 from boosttune.serving.engine import GenerationResult
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
@@ -202,16 +202,20 @@ class EngineWorker:
     def _run_batched(self, batch: BatchedDecoder) -> None:
         """Admit waiting jobs while the batch has room, drop cancelled ones, step, hand out the finished."""
         while True:
-            while not batch.full:
+            jobs: list[Job] = []
+            while len(batch) + len(jobs) < batch.max_batch:
                 try:
-                    job = self._queue.get(block=not len(batch))  # wait only when nothing is decoding
+                    job = self._queue.get(block=not len(batch) and not jobs)  # wait only when nothing is decoding
                 except queue.Empty:
                     break
                 if job is None:
+                    for job in jobs:
+                        self._finish(job, CancelledEvent())
                     for member in list(batch.members):
                         self._leave(batch, member, CancelledEvent())
                     return
-                self._admit(batch, job)
+                jobs.append(job)
+            self._admit(batch, jobs)
             for member in list(batch.members):
                 job, _ = member.tag
                 if job.cancel.is_set():
@@ -233,23 +237,33 @@ class EngineWorker:
                 else:
                     self._finish(job, DoneEvent(member.stream.result(), queue_time))
 
-    def _admit(self, batch: BatchedDecoder, job: Job) -> None:
-        """Prefill ``job`` into the batch (or finish it: cancelled, or failed)."""
-        if job.cancel.is_set():
-            self._finish(job, CancelledEvent())
+    def _admit(self, batch: BatchedDecoder, jobs: list[Job]) -> None:
+        """Prefill ``jobs`` into the batch, their prompts together (or finish them: cancelled, or failed)."""
+        requests, admitted = [], []
+        for job in jobs:
+            if job.cancel.is_set():
+                self._finish(job, CancelledEvent())
+                continue
+            queue_time = time.perf_counter() - job.enqueued
+            try:
+                planner = self.served.planner(job.prompt_ids, job.chat)
+            except Exception as e:  # one bad request must not stop the worker
+                log.exception("engine failed on a request")
+                self._finish(job, FailedEvent(f"{type(e).__name__}: {e}"))
+                continue
+            requests.append(Request(job.prompt_ids, job.stop, job.sampling, _deliver(job), planner,
+                                    tag=(job, queue_time)))
+            admitted.append(job)
+        if not requests:
             return
-        queue_time = time.perf_counter() - job.enqueued
-
-        def on_tokens(tokens: list[int]) -> None:
-            job.deliver(TokensEvent(list(tokens)))
-
         try:
-            batch.add(job.prompt_ids, job.stop, job.sampling, on_tokens,
-                      planner=self.served.planner(job.prompt_ids, job.chat), tag=(job, queue_time))
-        except Exception as e:  # one bad request must not stop the worker
-            log.exception("engine failed on a request")
-            self._finish(job, FailedEvent(f"{type(e).__name__}: {e}"))
-            return
+            outs = batch.add_many(requests)
+        except Exception as e:
+            outs = [e] * len(requests)
+        for job, out in zip(admitted, outs, strict=True):
+            if isinstance(out, Exception):
+                log.error("engine failed on a request", exc_info=out)
+                self._finish(job, FailedEvent(f"{type(out).__name__}: {out}"))
 
     def _leave(self, batch: BatchedDecoder, member: Member, event: Event) -> None:
         batch.remove(member)
@@ -282,3 +296,12 @@ class EngineWorker:
                     self._on_finished(job, event)
                 except Exception:
                     log.exception("on_finished hook failed")
+
+
+def _deliver(job: Job) -> Callable[[list[int]], None]:
+    """The callback that hands a request's newly committed tokens to its job."""
+
+    def on_tokens(tokens: list[int]) -> None:
+        job.deliver(TokensEvent(list(tokens)))
+
+    return on_tokens

@@ -1,0 +1,147 @@
+"""Several requests' key/value caches in shared tensors, so that a batched step attends in one call per layer.
+
+Shape legend: R slots (requests a pool can hold), G kv heads, K capacity (positions per slot), C head dim,
+Q query heads (``rep`` = Q / G per kv head), N tokens fed in one forward over all requests, T_b those of
+request b, Tm the most any request feeds, Sm the longest cache after the forward.
+
+A batched step (``lean.run_many``) computes the products over every request's tokens at once, but with a
+cache per request its attention is a loop: per layer and request, two cache writes and one attention
+call. For 16 requests of one token each that is 480 attention calls and 960 writes a step, measured on an
+AMX Xeon (2 cores, bf16, the 135M LLM, caches of 60-160 tokens) at 12 ms of attention calls and ~13 ms
+of small ops around them in a 47 ms step whose products took 17.
+
+:class:`KVPool` keeps every layer's keys and values of R requests in one (R, G, K, C) tensor per layer;
+each runner's cache is its slot's view, so the single-request paths (``keep``, ``crop``, the compiled
+forward) see a cache like any other. :class:`PooledStep` then writes a forward's new keys with one
+indexed copy per layer and attends with one ``scaled_dot_product_attention`` over the slots: each
+request's queries padded to Tm rows, its keys padded to Sm by the mask. The padding is masked out, so
+each row sees exactly what it sees alone. The capacity K is the same for all slots (the longest
+request's, grown by doubling): R times the longest request's cache, where separate caches would hold
+the sum of their lengths. A paged cache (vLLM's PagedAttention, Kwon et al., SOSP 2023) avoids that
+cost; on a CPU serving a handful of requests of a few thousand tokens it is tens of MB per slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from boosttune.kernels.tree_attention import full_mask
+
+if TYPE_CHECKING:
+    from boosttune.serving.lean import LeanRunner
+
+
+class KVPool:
+    """Key/value caches of up to ``slots`` runners of one model, one slot each, in shared tensors."""
+
+    def __init__(self, slots: int, layers: int, groups: int, head_dim: int, device: torch.device):
+        if slots < 1:
+            raise ValueError(f"a KVPool needs at least one slot, got {slots}")
+        self.slots, self.layers, self.groups, self.head_dim, self.device = slots, layers, groups, head_dim, device
+        self.keys: list[Tensor] = []  # per layer (R, G, K, C)
+        self.values: list[Tensor] = []
+        self.users: list[LeanRunner] = []  # the runner of each slot taken so far, by slot
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def attach(self, runner: LeanRunner) -> int:
+        """Give ``runner`` the next free slot (its cache becomes that slot's views); returns the slot."""
+        if len(self.users) >= self.slots:
+            raise RuntimeError(f"the KVPool's {self.slots} slots are all taken")
+        self.users.append(runner)
+        self._point(len(self.users) - 1)
+        return len(self.users) - 1
+
+    def _point(self, slot: int) -> None:
+        runner = self.users[slot]
+        runner._keys = [k[slot] for k in self.keys]
+        runner._values = [v[slot] for v in self.values]
+
+    def reserve(self, n: int, dtype: torch.dtype) -> None:
+        """Room for ``n`` positions in every slot, in ``dtype`` (doubling; contents kept). New room is
+        zeroed: masked positions must hold finite numbers, or the attention's masked sums turn NaN."""
+        cap = self.capacity
+        if self.keys and n <= cap and self.keys[0].dtype == dtype:
+            return
+        new_cap = max(n, 2 * cap, 256)
+        shape = (self.slots, self.groups, new_cap, self.head_dim)
+        keys = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(self.layers)]
+        values = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(self.layers)]
+        for old, new in zip(self.keys + self.values, keys + values):  # none the first time
+            new[:, :, :cap] = old
+        self.keys, self.values = keys, values
+        for slot in range(len(self.users)):
+            self._point(slot)
+
+
+class PooledStep:
+    """One batched forward's attention over a pool: the index and mask tensors, made once per forward
+    and used by every layer (``plan``)."""
+
+    def __init__(self, pool: KVPool, lo: int, rep: int, writes: tuple[Tensor, Tensor], rows: tuple[Tensor, Tensor],
+                 mask: Tensor):
+        """``lo``: the first slot attended; ``writes``: the (N,) slot (from ``lo``) and position of each
+        fed token; ``rows``: the (width Tm,) fed row of each padded query row and the (N,) padded row of
+        each fed row; ``mask``: (width, 1, rep Tm, Sm) bool."""
+        self.pool, self.lo, self.rep = pool, lo, rep
+        self.write_slot, self.write_pos = writes
+        self.src, self.dst = rows
+        self.mask = mask
+        self.width, self.tm, self.sm = mask.shape[0], mask.shape[2] // rep, mask.shape[3]
+
+    @classmethod
+    def plan(cls, pool: KVPool, feeds: Sequence[tuple[LeanRunner, int, Tensor, int, int, int, int]],
+             rep: int) -> PooledStep | None:
+        """The step for ``feeds``: per request in feed order, its runner (in a slot of ``pool``), prefix
+        length P, (T_b, S_b - P) tree mask, first and end row among the N fed, and cache length before
+        and after the forward. None where some row would see no key (``tree_attention`` handles those)."""
+        slots = [r._slot for r, *_ in feeds]
+        lo, width = min(slots), max(slots) + 1 - min(slots)
+        tm, sm = max(b - a for *_, a, b, _, _ in feeds), max(s for *_, s in feeds)
+        write_slot: list[int] = []
+        write_pos: list[int] = []
+        dst: list[int] = []
+        src = torch.zeros(width * tm, dtype=torch.long)
+        mask = torch.zeros(width, tm, sm, dtype=torch.bool)
+        mask[:, :, 0] = True  # padding rows see one key (their output is dropped)
+        for (_, prefix_len, tree_mask, a, b, s0, s), slot in zip(feeds, slots, strict=True):
+            full = full_mask(prefix_len, tree_mask.cpu(), s)  # (T_b, S_b)
+            if prefix_len == 0 and not bool(full.any(dim=1).all()):
+                return None
+            j, t = (slot - lo) * tm, b - a
+            write_slot += [slot - lo] * t
+            write_pos += range(s0, s)
+            src[j : j + t] = torch.arange(a, b)
+            dst += range(j, j + t)
+            mask[slot - lo, :t, :s] = full
+        dev = pool.device
+        return cls(pool, lo, rep, (torch.tensor(write_slot, device=dev), torch.tensor(write_pos, device=dev)),
+                   (src.to(dev), torch.tensor(dst, device=dev)), mask.to(dev).repeat(1, rep, 1).unsqueeze(1))
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """Write the fed (1, G, N, C) keys ``k`` and values ``v`` into their slots of ``layer`` and attend
+        with the (1, Q, N, C) queries ``q``; returns (1, Q, N, C)."""
+        hi = self.lo + self.width
+        keys, values = self.pool.keys[layer][self.lo : hi], self.pool.values[layer][self.lo : hi]  # (width, G, K, C)
+        keys[self.write_slot, :, self.write_pos] = k[0].transpose(0, 1)  # (N, G, C)
+        values[self.write_slot, :, self.write_pos] = v[0].transpose(0, 1)
+        qn, c = q.shape[1], q.shape[3]
+        qp = q[0].index_select(1, self.src).view(qn, self.width, self.tm, c).transpose(0, 1)  # (width, Q, Tm, C)
+        qp = qp.reshape(self.width, qn // self.rep, self.rep * self.tm, c)  # (width, G, rep Tm, C)
+        att = F.scaled_dot_product_attention(qp, keys[:, :, : self.sm], values[:, :, : self.sm],
+                                             attn_mask=self.mask, scale=scale)
+        att = att.reshape(self.width, qn, self.tm, c).transpose(0, 1).reshape(qn, self.width * self.tm, c)
+        return att.index_select(1, self.dst).unsqueeze(0)  # (1, Q, N, C)
+
+
+def shared_pool(runners: Sequence[LeanRunner]) -> KVPool | None:
+    """The pool all ``runners`` have their caches in (None: they do not share one)."""
+    pool = runners[0]._pool
+    return pool if pool is not None and all(r._pool is pool for r in runners) else None
