@@ -94,9 +94,10 @@ def quantize_llm(engine: SpeculativeEngine, scheme: str) -> int:
     return llm.quantize(scheme)
 
 
-def compile_served(served: Served) -> float:
+def compile_served(served: Served, batched: bool = False) -> float:
     """Compile the forward of ``served``'s LLM and of each drafter that runs the lean CPU forward (SSMs,
-    feature heads; ``serving/compiled.py``), with their graphs, now; returns the seconds it took.
+    feature heads; ``serving/compiled.py``), with their graphs, now (``batched``: also the LLM's graphs
+    for several requests at once); returns the seconds it took.
     Raises ValueError naming ``--compile`` where the LLM's forward cannot be compiled (not the lean CPU
     forward), before any compile work, or where inductor fails."""
     from boosttune.serving.compiled import compile_reason, compile_runner
@@ -107,7 +108,7 @@ def compile_served(served: Served) -> float:
         raise ValueError(f"--compile: {why}; leave --compile off for this LLM")
     drafters = [r for d in served.engine.drafters.values() if compile_reason(r := getattr(d, "runner", None)) is None]
     try:
-        return sum(compile_runner(r) for r in [llm, *drafters])  # type: ignore[arg-type]
+        return compile_runner(llm, pooled=batched) + sum(compile_runner(r) for r in drafters)  # type: ignore[arg-type]
     except Exception as e:  # inductor's own errors (e.g. no C++ compiler): say which flag to drop
         for r in [llm, *drafters]:
             r.compiled = None  # type: ignore[attr-defined]

@@ -54,7 +54,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from boosttune.serving import cpu_linear, native
-from boosttune.serving.lean import LeanRunner, Product
+from boosttune.serving.lean import Feed, LeanRunner, Product, run_many
+from boosttune.serving.pooled import PooledStep
 from boosttune.serving.quantize import QuantLinear
 
 _LIB = torch.library.Library("boosttune", "DEF")
@@ -148,10 +149,10 @@ class CompiledForward(torch.nn.Module):
             for j, (packed, scales) in enumerate(runner.quant_stacks):
                 self.register_buffer(f"_qw{j}", packed, persistent=False)
                 self.register_buffer(f"_qs{j}", scales, persistent=False)
-            self._layers = tuple(tuple((-1, p.out_features) for p in ly) for ly in layers)
+            self._layers_keys = tuple(tuple((-1, p.out_features) for p in ly) for ly in layers)
             self._head = (-1, head.out_features)
         else:
-            self._layers = tuple(tuple(reg(p) for p in ly) for ly in layers)
+            self._layers_keys = tuple(tuple(reg(p) for p in ly) for ly in layers)
             # a drafter's head may be restricted to a draft vocabulary: (K,) ids, their rows' logits, -inf elsewhere
             self._head = reg(head)
         self._head_ids = runner.head_ids
@@ -167,11 +168,12 @@ class CompiledForward(torch.nn.Module):
         weakref.finalize(self, _drop, keys, self._native)
         # dynamo caches graphs per code object, at most ``recompile_limit`` (8) of them, and each
         # instance needs its own two: each instance compiles a copy of ``_forward``'s code
-        own = types.FunctionType(CompiledForward._forward.__code__.replace(), globals(), "_forward")
         # inductor's C++ wrapper calls the graph's kernels without Python between them: a plain step of the
         # default LLM took 15.4 ms against 17.0 in bf16, 5.9 against 7.3 in int4 (EPYC AVX512-BF16)
-        self._fn = torch.compile(types.MethodType(own, self), dynamic=True, fullgraph=True,
-                                 options={"cpp_wrapper": True})
+        self._fn, self._pooled_fn = (
+            torch.compile(types.MethodType(types.FunctionType(f.__code__.replace(), globals(), f.__name__), self),
+                          dynamic=True, fullgraph=True, options={"cpp_wrapper": True})
+            for f in (CompiledForward._forward, CompiledForward._pooled_forward))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, keys: list[Tensor],
                  values: list[Tensor], length: int, mask: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -181,6 +183,16 @@ class CompiledForward(torch.nn.Module):
         query sees every key). Returns the (T, V) fp32 logits and (T, H) fp32 last hidden states (then
         the inputs of the ``taps`` layers: (T, (1 + taps) H))."""
         return self._fn(x, cos, sin, slots, keys, values, length, mask, self._norms, self._head_ids)
+
+    def pooled(self, x: Tensor, cos: Tensor, sin: Tensor, step: PooledStep) -> tuple[Tensor, Tensor]:
+        """Several requests' forward over their caches' pool (``lean.run_many``): ``x`` (1, N, H) the
+        embeddings of every request's tokens, ``cos``/``sin`` (1, N, C) their rotary factors, ``step``
+        where each goes (``pooled.PooledStep``). Returns the (N, V) fp32 logits and (N, H) fp32 last
+        hidden states (then the ``taps``), as ``forward`` does for one request."""
+        pool = step.pool
+        return self._pooled_fn(x, cos, sin, pool.keys, pool.values,
+                               (step.write_slot, step.write_pos), (step.src, step.dst), step.mask, self._norms,
+                               self._head_ids)
 
     def _product(self, x: Tensor, i: int, j: int, key: int, out_features: int) -> Tensor:
         """Layer ``i``'s product ``j`` (q/k/v, o, gate/up, down; j = 4: the head). A Linear's goes through the
@@ -210,6 +222,43 @@ class CompiledForward(torch.nn.Module):
                  head_ids: Tensor | None) -> tuple[Tensor, Tensor]:
         q_n, g_n, c = self._q, self._g, self._c
         t = x.shape[1]
+
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            keys[i].index_copy_(1, slots, k[0])
+            values[i].index_copy_(1, slots, v[0])
+            qg = q.reshape(1, g_n, (q_n // g_n) * t, c)  # heads folded per kv head, as lean.py folds them
+            att = F.scaled_dot_product_attention(qg, keys[i][None, :, :length], values[i][None, :, :length],
+                                                 attn_mask=mask, scale=self._scale)
+            return att.reshape(1, q_n, t, c)
+
+        return self._layers(x, cos, sin, norms, head_ids, attend)
+
+    def _pooled_forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor],
+                        writes: tuple[Tensor, Tensor], rows: tuple[Tensor, Tensor],
+                        mask: Tensor, norms: Tensor, head_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+        q_n, g_n, c = self._q, self._g, self._c
+        rep = q_n // g_n
+        width, tm, length = mask.shape[0], mask.shape[2] // rep, mask.shape[3]  # sizes from tensors: ints specialise
+        write_slot, write_pos = writes
+        src, dst = rows
+
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # PooledStep.attend, step for step
+            keys[i][write_slot, :, write_pos] = k[0].transpose(0, 1)
+            values[i][write_slot, :, write_pos] = v[0].transpose(0, 1)
+            qp = q[0].index_select(1, src).view(q_n, width, tm, c).transpose(0, 1)  # (width, Q, Tm, C)
+            att = F.scaled_dot_product_attention(qp.reshape(width, g_n, rep * tm, c), keys[i][:width, :, :length],
+                                                 values[i][:width, :, :length], attn_mask=mask, scale=self._scale)
+            att = att.reshape(width, q_n, tm, c).transpose(0, 1).reshape(q_n, width * tm, c)
+            return att.index_select(1, dst).unsqueeze(0)  # (1, Q, N, C)
+
+        return self._layers(x, cos, sin, norms, head_ids, attend)
+
+    def _layers(self, x: Tensor, cos: Tensor, sin: Tensor, norms: Tensor, head_ids: Tensor | None,
+                attend: Callable[[int, Tensor, Tensor, Tensor], Tensor]) -> tuple[Tensor, Tensor]:
+        """The forward of (1, T, H) embeddings ``x`` through every layer, ``attend(i, q, k, v)`` giving layer
+        ``i``'s (1, Q, T, C) attention output (and writing its cache)."""
+        q_n, g_n, c = self._q, self._g, self._c
+        t = x.shape[1]
         half = c // 2
         cos4 = cos.unsqueeze(2)  # (1, T, 1, C)
         # rotate_half(v) * sin == roll(v, C/2) * (sin with its first half negated): one op for q and k
@@ -218,7 +267,7 @@ class CompiledForward(torch.nn.Module):
         sin4 = (sin * sign).unsqueeze(2)
         op = self._product
         tapped: dict[int, Tensor] = {}
-        for i, (qkv_key, o_key, gate_up_key, down_key) in enumerate(self._layers):
+        for i, (qkv_key, o_key, gate_up_key, down_key) in enumerate(self._layers_keys):
             if i in self.taps:
                 tapped[i] = x[0]  # the layer's input (T, H)
             qkv = op(self._rms(x, norms[2 * i]), i, 0, *qkv_key)  # (1, T, (Q + 2G) C)
@@ -227,12 +276,8 @@ class CompiledForward(torch.nn.Module):
             q = qk[:, :, :q_n].transpose(1, 2)  # (1, Q, T, C)
             k = qk[:, :, q_n:].transpose(1, 2)  # (1, G, T, C)
             v = qkv[..., (q_n + g_n) * c :].view(1, t, g_n, c).transpose(1, 2)
-            keys[i].index_copy_(1, slots, k[0])
-            values[i].index_copy_(1, slots, v[0])
-            qg = q.reshape(1, g_n, (q_n // g_n) * t, c)  # heads folded per kv head, as lean.py folds them
-            att = F.scaled_dot_product_attention(qg, keys[i][None, :, :length], values[i][None, :, :length],
-                                                 attn_mask=mask, scale=self._scale)
-            x = x + op(att.reshape(1, q_n, t, c).transpose(1, 2).reshape(1, t, q_n * c), i, 1, *o_key)
+            att = attend(i, q, k, v)
+            x = x + op(att.transpose(1, 2).reshape(1, t, q_n * c), i, 1, *o_key)
             gate, up = op(self._rms(x, norms[2 * i + 1]), i, 2, *gate_up_key).chunk(2, dim=-1)
             x = x + op(F.silu(gate) * up, i, 3, *down_key)
         last = self._rms(x, norms[-1])[0]  # (T, H)
@@ -243,10 +288,11 @@ class CompiledForward(torch.nn.Module):
         return logits, hidden.float()
 
 
-def compile_runner(runner: LeanRunner, warm_up: bool = True) -> float:
+def compile_runner(runner: LeanRunner, warm_up: bool = True, pooled: bool = False) -> float:
     """Give ``runner`` (the LLM's, or a drafter's) and the runners it spawns later the compiled forward;
-    with ``warm_up``, compile its two graphs now (a plain step and a tree) on a scratch runner.
-    Returns the seconds spent."""
+    with ``warm_up``, compile its two graphs now (a plain step and a tree) on a scratch runner, and with
+    ``pooled`` too the two graphs of several requests over a pool (a server that batches). Returns the
+    seconds spent."""
     start = time.perf_counter()
     runner.compiled = CompiledForward(runner)
     if warm_up:
@@ -256,4 +302,26 @@ def compile_runner(runner: LeanRunner, warm_up: bool = True) -> float:
             p = scratch.cached_len
             scratch.forward(torch.ones(1, t, dtype=torch.long), torch.full((1, t), p), p,
                             torch.eye(t, dtype=torch.bool))
+        if pooled:
+            _warm_up_pooled(runner)
     return time.perf_counter() - start
+
+
+def _warm_up_pooled(runner: LeanRunner) -> None:
+    """Compile the two pooled graphs: a plain step and trees of several requests. Dynamo gives sizes that
+    are equal when it first traces one symbol ("duck sizing"), and a graph traced with two sizes equal
+    recompiles when they differ; a size equal to a model constant (a head dim of 8) is specialised for
+    good. So the sizes here differ from each other and from common model sizes: 10 requests in slots
+    0-10 of a 13-slot pool, then trees of 2 and 5 tokens (23 in all), 38-43 cached positions."""
+    pool = runner.new_pool(13)
+    scratch = [runner.spawn(pool) for _ in range(11)]
+    feeding = [r for j, r in enumerate(scratch) if j != 4]
+    for r in feeding:
+        r.prefill(torch.arange(1, 38))
+    for sizes in ([1] * 10, [2] * 9 + [5]):
+        feeds = []
+        for r, t in zip(feeding, sizes, strict=True):
+            p = r.cached_len
+            feeds.append((r, Feed(torch.ones(1, t, dtype=torch.long), torch.full((1, t), p), p,
+                                  torch.ones(t, t, dtype=torch.bool).tril())))
+        run_many(feeds)

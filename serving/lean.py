@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,9 @@ from boosttune.serving import cpu_linear
 from boosttune.serving import quantize as quantize_mod
 from boosttune.serving.pooled import KVPool, PooledStep, shared_pool
 from boosttune.serving.runner import ModelRunner
+
+if TYPE_CHECKING:
+    from boosttune.serving.compiled import CompiledForward
 
 ENV_VAR = "BOOSTTUNE_LEAN"
 
@@ -151,8 +155,9 @@ class LeanRunner(ModelRunner):
         self._values: list[Tensor] = []
         self._pool: KVPool | None = None  # where the cache lives when it is a slot of a pool (``spawn``)
         self._slot = -1
-        # the compiled single-request forward (``compiled.CompiledForward``, given by ``compiled.compile_runner``)
-        self.compiled: Callable[..., tuple[Tensor, Tensor]] | None = None
+        # the compiled forward (``compiled.CompiledForward``, given by ``compiled.compile_runner``): a single
+        # request's, and several requests' over a pool
+        self.compiled: CompiledForward | None = None
 
     @property
     def cached_len(self) -> int:
@@ -398,6 +403,11 @@ def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor | No
     cos, sin = body.rotary_emb(x, torch.cat(positions, dim=1) if len(positions) > 1 else positions[0])
     for (runner, _), (_, _, _, s) in zip(feeds, spans, strict=True):
         runner._reserve(s, x.dtype)
+    if pooled is not None and first.compiled is not None and all(f.logits for _, f in feeds):
+        logits, hidden = first.compiled.pooled(x, cos, sin, pooled)  # (sum T, V), (sum T, (1 + taps) H)
+        for (runner, _), (_, _, _, s) in zip(feeds, spans, strict=True):
+            runner._len = s
+        return [(logits[a:b], hidden[a:b] if f.hidden else None) for (_, f), (a, b, _, _) in zip(feeds, spans, strict=True)]
     only = feeds[0][1]
     if len(feeds) == 1 and first.compiled is not None and only.logits and masks[0].raw is None:
         s0, s = spans[0][2], spans[0][3]

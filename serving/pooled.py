@@ -74,8 +74,9 @@ class KVPool:
         shape = (self.slots, self.groups, new_cap, self.head_dim)
         keys = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(self.layers)]
         values = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(self.layers)]
-        for old, new in zip(self.keys + self.values, keys + values):  # none the first time
-            new[:, :, :cap] = old
+        if self.keys:
+            for old, new in zip(self.keys + self.values, keys + values, strict=True):
+                new[:, :, :cap] = old
         self.keys, self.values = keys, values
         for slot in range(len(self.users)):
             self._point(slot)
@@ -85,12 +86,13 @@ class PooledStep:
     """One batched forward's attention over a pool: the index and mask tensors, made once per forward
     and used by every layer (``plan``)."""
 
-    def __init__(self, pool: KVPool, lo: int, rep: int, writes: tuple[Tensor, Tensor], rows: tuple[Tensor, Tensor],
+    def __init__(self, pool: KVPool, rep: int, writes: tuple[Tensor, Tensor], rows: tuple[Tensor, Tensor],
                  mask: Tensor):
-        """``lo``: the first slot attended; ``writes``: the (N,) slot (from ``lo``) and position of each
-        fed token; ``rows``: the (width Tm,) fed row of each padded query row and the (N,) padded row of
-        each fed row; ``mask``: (width, 1, rep Tm, Sm) bool."""
-        self.pool, self.lo, self.rep = pool, lo, rep
+        """``writes``: the (N,) slot and position of each fed token; ``rows``: the (width Tm,) fed row of
+        each padded query row and the (N,) padded row of each fed row; ``mask``: (width, 1, rep Tm, Sm)
+        bool. The step attends over slots 0 .. width - 1, idle ones included (their rows padding): one
+        shape fewer for the compiled graph, and a batch's requests hold the first slots."""
+        self.pool, self.rep = pool, rep
         self.write_slot, self.write_pos = writes
         self.src, self.dst = rows
         self.mask = mask
@@ -103,7 +105,7 @@ class PooledStep:
         length P, (T_b, S_b - P) tree mask, first and end row among the N fed, and cache length before
         and after the forward. None where some row would see no key (``tree_attention`` handles those)."""
         slots = [r._slot for r, *_ in feeds]
-        lo, width = min(slots), max(slots) + 1 - min(slots)
+        width = max(slots) + 1
         tm, sm = max(b - a for *_, a, b, _, _ in feeds), max(s for *_, s in feeds)
         write_slot: list[int] = []
         write_pos: list[int] = []
@@ -115,21 +117,20 @@ class PooledStep:
             full = full_mask(prefix_len, tree_mask.cpu(), s)  # (T_b, S_b)
             if prefix_len == 0 and not bool(full.any(dim=1).all()):
                 return None
-            j, t = (slot - lo) * tm, b - a
-            write_slot += [slot - lo] * t
+            j, t = slot * tm, b - a
+            write_slot += [slot] * t
             write_pos += range(s0, s)
             src[j : j + t] = torch.arange(a, b)
             dst += range(j, j + t)
-            mask[slot - lo, :t, :s] = full
+            mask[slot, :t, :s] = full
         dev = pool.device
-        return cls(pool, lo, rep, (torch.tensor(write_slot, device=dev), torch.tensor(write_pos, device=dev)),
+        return cls(pool, rep, (torch.tensor(write_slot, device=dev), torch.tensor(write_pos, device=dev)),
                    (src.to(dev), torch.tensor(dst, device=dev)), mask.to(dev).repeat(1, rep, 1).unsqueeze(1))
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Write the fed (1, G, N, C) keys ``k`` and values ``v`` into their slots of ``layer`` and attend
         with the (1, Q, N, C) queries ``q``; returns (1, Q, N, C)."""
-        hi = self.lo + self.width
-        keys, values = self.pool.keys[layer][self.lo : hi], self.pool.values[layer][self.lo : hi]  # (width, G, K, C)
+        keys, values = self.pool.keys[layer][: self.width], self.pool.values[layer][: self.width]  # (width, G, K, C)
         keys[self.write_slot, :, self.write_pos] = k[0].transpose(0, 1)  # (N, G, C)
         values[self.write_slot, :, self.write_pos] = v[0].transpose(0, 1)
         qn, c = q.shape[1], q.shape[3]

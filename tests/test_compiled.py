@@ -156,3 +156,40 @@ def test_what_cannot_compile_says_why(llm):
 
     with pytest.raises(ValueError, match="--compile: .*ModelRunner"):
         compile_served(Served(engine=engine, llm=None, models={}))  # type: ignore[arg-type]
+
+
+@torch.inference_mode()
+def test_batches_over_a_pool_take_the_pooled_graphs_and_match(llm):
+    """Runners in a pool: plain steps and trees of several requests go through the two pooled graphs,
+    compiled at warm-up, and compute what the eager forward computes; sizes do not recompile."""
+    runner = LeanRunner(llm)
+    compile_runner(runner, pooled=True)
+    before = counters["stats"]["unique_graphs"]
+    calls = []
+    pooled = runner.compiled.pooled
+    runner.compiled.pooled = lambda *args: calls.append(1) or pooled(*args)  # the spawned runners share it
+    pool = runner.new_pool(4)
+    runners = [runner.spawn(pool) for _ in range(4)]
+    alone = [LeanRunner(llm) for _ in range(4)]
+    for k, (r, a) in enumerate(zip(runners, alone, strict=True)):
+        ids = torch.arange(3 + k, 10 + 5 * k) % 60
+        r.prefill(ids)
+        a.prefill(ids)
+    for sizes in ((1, 1, 1, 1), (3, 1, 2, 1), (1, 1, 0, 1), (2, 4, 0, 3)):  # 0: that request sits the step out
+        feeds = []
+        for r, t in zip(runners, sizes, strict=True):
+            if t:
+                p = r.cached_len
+                mask = torch.ones(t, t, dtype=torch.bool).tril()
+                feeds.append((r, Feed(torch.arange(4, 4 + t)[None], torch.arange(p, p + t)[None], p, mask,
+                                      hidden=t > 1)))
+        together = run_many(feeds)
+        for (r, f), (logits, hidden) in zip(feeds, together, strict=True):
+            a = alone[runners.index(r)]
+            want, want_hidden = a.forward_hidden(f.inputs, f.position_ids, f.prefix_len, f.tree_mask)
+            _close(logits, want)
+            if f.hidden:
+                _close(hidden, want_hidden)
+            assert r.cached_len == a.cached_len
+    assert counters["stats"]["unique_graphs"] == before, "no graph compiled after the warm-up"
+    assert len(calls) == 4, "every step of several requests ran the pooled graph"

@@ -189,7 +189,7 @@ class _State:
             log.info("the LLM's products quantized to %s (%.0f MB)", config.quantize, mb)
         if config.compile:
             log.info("compiling the forward of the LLM and the drafters")
-            log.info("compiled in %.1f s", assemble.compile_served(self.served))
+            log.info("compiled in %.1f s", assemble.compile_served(self.served, batched=config.max_batch > 1))
         self.scheduler = self.served.scheduler
         if self.scheduler is not None:
             log.info("learned scheduler loaded from %s", bundle.scheduler_dir)
