@@ -220,6 +220,7 @@ class BatchedDecoder:
         """Take ``member`` out of the batch (finished, failed or cancelled)."""
         self.members.remove(member)
         self._pool.append(member.caches)
+        self._kv.shrink(max((m.caches[0].cached_len for m in self.members), default=0))
 
     @torch.inference_mode()
     def step(self) -> list[Member]:

@@ -172,9 +172,9 @@ class LeanRunner(ModelRunner):
             self._pool.reserve(n, dtype)
             return
         cap = self._keys[0].shape[1] if self._keys else 0
-        if n <= cap and self._keys and self._keys[0].dtype == dtype:
+        if n < cap and self._keys and self._keys[0].dtype == dtype:  # above n: as KVPool.reserve says
             return
-        new_cap = max(n, 2 * cap, 256)
+        new_cap = max(n + 1, 2 * cap, 256)
         dev = self.device
         shape = (self._g, new_cap, self._c)
         keys = [torch.empty(shape, device=dev, dtype=dtype) for _ in self._qkv]

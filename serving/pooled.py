@@ -16,8 +16,8 @@ forward) see a cache like any other. :class:`PooledStep` then writes a forward's
 indexed copy per layer and attends with one ``scaled_dot_product_attention`` over the slots: each
 request's queries padded to Tm rows, its keys padded to Sm by the mask. The padding is masked out, so
 each row sees exactly what it sees alone. The capacity K is the same for all slots (the longest
-request's, grown by doubling): R times the longest request's cache, where separate caches would hold
-the sum of their lengths. A paged cache (vLLM's PagedAttention, Kwon et al., SOSP 2023) avoids that
+request's, grown by doubling, and given back when it leaves): R times the longest request's cache, where
+separate caches would hold the sum of their lengths. A paged cache (vLLM's PagedAttention, Kwon et al., SOSP 2023) avoids that
 cost; on a CPU serving a handful of requests of a few thousand tokens it is tens of MB per slot.
 """
 
@@ -66,11 +66,13 @@ class KVPool:
 
     def reserve(self, n: int, dtype: torch.dtype) -> None:
         """Room for ``n`` positions in every slot, in ``dtype`` (doubling; contents kept). New room is
-        zeroed: masked positions must hold finite numbers, or the attention's masked sums turn NaN."""
+        zeroed: masked positions must hold finite numbers, or the attention's masked sums turn NaN. The
+        capacity stays above ``n``: a compiled graph traced with caches shorter than their tensors would
+        compile again (~60 s) for a step whose cache fills one exactly."""
         cap = self.capacity
-        if self.keys and n <= cap and self.keys[0].dtype == dtype:
+        if self.keys and n < cap and self.keys[0].dtype == dtype:
             return
-        new_cap = max(n, 2 * cap, 256)
+        new_cap = max(n + 1, 2 * cap, 256)
         shape = (self.slots, self.groups, new_cap, self.head_dim)
         keys = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(self.layers)]
         values = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(self.layers)]
@@ -78,6 +80,17 @@ class KVPool:
             for old, new in zip(self.keys + self.values, keys + values, strict=True):
                 new[:, :, :cap] = old
         self.keys, self.values = keys, values
+        for slot in range(len(self.users)):
+            self._point(slot)
+
+    def shrink(self, n: int) -> None:
+        """Give back the room beyond ``n`` positions (at least 256) where the pool holds more than twice
+        that: after a long request leaves, the others should not keep its capacity."""
+        keep = max(n + 1, 256)
+        if self.capacity <= 2 * keep:
+            return
+        self.keys = [k[:, :, :keep].clone() for k in self.keys]
+        self.values = [v[:, :, :keep].clone() for v in self.values]
         for slot in range(len(self.users)):
             self._point(slot)
 

@@ -114,3 +114,33 @@ def test_a_pool_refuses_more_runners_than_slots(llm):
     base.spawn(pool)
     with pytest.raises(RuntimeError, match="1 slots are all taken"):
         base.spawn(pool)
+
+
+def test_a_pool_gives_back_a_long_requests_room_and_keeps_the_others(llm):
+    base = LeanRunner(llm)
+    pool = base.new_pool(2)
+    short, long = base.spawn(pool), base.spawn(pool)
+    solo = base.spawn()
+    for r in (short, solo):
+        r.forward_chain(torch.arange(2, 40) % 60)
+    long.forward_chain(torch.arange(600) % 60)
+    assert pool.capacity >= 600
+    pool.shrink(short.cached_len)  # the long one left
+    assert pool.capacity == 256 and short._keys[0].shape[1] == 256
+    nxt = torch.tensor([5, 6])
+    torch.testing.assert_close(short.forward_chain(nxt), solo.forward_chain(nxt), rtol=1e-5, atol=1e-5)
+    pool.shrink(0)
+    assert pool.capacity == 256, "never below 256 positions, nor for a pool within twice what it holds"
+
+
+def test_caches_stay_longer_than_what_they_hold(llm):
+    """A compiled graph traced with caches shorter than their tensors compiles again for a cache that
+    fills its tensor exactly: pools and runners keep room beyond every length they are asked for."""
+    base = LeanRunner(llm)
+    pool = base.new_pool(2)
+    pooled_runner, alone = base.spawn(pool), base.spawn()
+    for r in (pooled_runner, alone):
+        r.forward_chain(torch.arange(255) % 60)
+        assert r._keys[0].shape[1] == 256
+        r.forward_chain(torch.tensor([3]))  # 256 cached: the tensors grow
+        assert r._keys[0].shape[1] > 256
