@@ -40,6 +40,7 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -189,7 +190,9 @@ class _State:
             log.info("the LLM's products quantized to %s (%.0f MB)", config.quantize, mb)
         if config.compile:
             log.info("compiling the forward of the LLM and the drafters")
-            log.info("compiled in %.1f s", assemble.compile_served(self.served, batched=config.max_batch > 1))
+            compile_s = _with_threads(config.torch_threads,
+                                      lambda: assemble.compile_served(self.served, batched=config.max_batch > 1))
+            log.info("compiled in %.1f s", compile_s)
         self.scheduler = self.served.scheduler
         if self.scheduler is not None:
             log.info("learned scheduler loaded from %s", bundle.scheduler_dir)
@@ -692,3 +695,29 @@ class _Terminated(Exception):
 
 def _terminated(signum: int, frame: Any) -> None:
     raise _Terminated
+
+
+def _with_threads(threads: int | None, fn: Callable[[], float]) -> float:
+    """``fn()`` on a thread of its own with ``threads`` torch threads (None: torch's default), as the
+    engine's worker thread will run. For the compile: dynamo's graphs are guarded on the thread count,
+    and graphs compiled on this single-threaded main thread were compiled again on the worker's first
+    requests, in the middle of serving (the pooled graphs with the sizes of that moment, so that later
+    sizes compiled again). A thread, not this one: the main thread must not keep an OpenMP team of its
+    own (``boosttune/cli/serve.py``)."""
+    out: list[float] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            out.append(fn())
+        except BaseException as e:
+            failed.append(e)
+
+    thread = threading.Thread(target=run, name="boosttune-compile")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return out[0]
