@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from bundle_fixtures import make_run_dir, one_torch_thread  # noqa: F401 (autouse fixture)
 from openai import OpenAI
 
@@ -594,3 +595,19 @@ def test_worker_runs_in_order_survives_failures_and_skips_cancelled_jobs():
     finally:
         worker.close()
     assert not worker.alive
+
+
+def test_the_compile_runs_on_a_thread_with_the_engines_thread_count():
+    """dynamo guards graphs on the thread count: compiled on the main thread (one thread), the worker's
+    graphs compiled again mid-serving. The helper runs on its own thread and hands back what it raised."""
+    from boosttune.http.server import _with_threads
+
+    main = torch.get_num_threads()
+    assert _with_threads(3, torch.get_num_threads) == 3
+    assert torch.get_num_threads() == main
+
+    def fails() -> float:
+        raise ValueError("--compile: no compiler")
+
+    with pytest.raises(ValueError, match="no compiler"):
+        _with_threads(None, fails)
