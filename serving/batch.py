@@ -5,9 +5,9 @@ Shape legend: B requests in the batch, N_b the merged tree nodes of request b, V
 On a CPU one verification forward costs about as much for a few tokens as for one (the weights are
 read once per product): measured on an AVX512-bf16 EPYC (2 cores, bf16, the 135M LLM) about 25 ms
 for 1 token, 33 for 16 and 44 for 32. So a step that feeds every active request's pending token and
-tree through one forward (``lean.run_many``: the products over all B requests' tokens at once,
-attention per request over its own cache) commits tokens for B requests for little more than one's
-cost. Orca (Yu et al., OSDI 2022) schedules at this granularity, "iteration-level scheduling":
+tree through one forward (``lean.run_many``: the products over all B requests' tokens at once, one
+attention call per layer over the requests' caches in one pool) commits tokens for B requests for little
+more than one's cost. Orca (Yu et al., OSDI 2022) schedules at this granularity, "iteration-level scheduling":
 requests join and leave the batch between steps, and vLLM, SGLang and llama-server batch so too.
 
 Each request is a :class:`~boosttune.serving.engine.Stream` with caches of its own: an LLM runner

@@ -29,7 +29,9 @@ How:
 - One function covers every single-request forward that wants logits: a plain step (T = 1, no
   mask) and a tree (T > 1, a tree mask). Shapes are dynamic, so the cache length and the tree size
   do not recompile; dynamo specialises T = 1 and "mask or none", so a serving process compiles
-  two graphs. Prefills (no logits), batches of several requests and masks with rows that see no
+  two graphs. Several requests over a pool of caches (``serving/pooled.py``, a batched step) run a
+  second pair, the same layers with the pool's attention (``CompiledForward.pooled``; with 16 requests of
+  one token a step took ~35 ms against ~50 eager). Prefills (no logits) and masks with rows that see no
   key run the eager lean forward; they share the same caches.
 - The weights are read once, when the graph's keys are registered: a compiled forward is for a
   frozen model (a model being served), never for a model in training.

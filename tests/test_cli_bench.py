@@ -485,5 +485,8 @@ def test_bench_step_times_each_feed_of_the_lean_forward(tiny_dirs, capsys):
     rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [int(r.split("|")[1]) for r in rows] == [1, 3] and all(float(r.split("|")[2]) > 0 for r in rows)
     assert "fp32 int8, eager" in out
+    assert load_script("bench_step").main(["--llm", str(tiny_dirs / "llm"), "--dtype", "fp32", "--batch", "3",
+                                           "--tokens", "2", "--reps", "2", "--cache", "5"]) == 0
+    assert "3 request(s) of a 5-token cache" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="comma-separated"):
         load_script("bench_step").main(["--llm", str(tiny_dirs / "llm"), "--tokens", "1,x"])
