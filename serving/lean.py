@@ -37,7 +37,7 @@ import copy
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -50,9 +50,6 @@ from boosttune.serving import cpu_linear
 from boosttune.serving import quantize as quantize_mod
 from boosttune.serving.pooled import KVPool, PooledStep, shared_pool
 from boosttune.serving.runner import ModelRunner
-
-if TYPE_CHECKING:
-    from boosttune.serving.compiled import CompiledForward
 
 ENV_VAR = "BOOSTTUNE_LEAN"
 
@@ -127,6 +124,15 @@ class _Fused:
         return self.linear
 
 
+class Compiled(Protocol):
+    """What ``compiled.CompiledForward`` gives a runner (named here: compiled.py imports this module)."""
+
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, keys: list[Tensor],
+                 values: list[Tensor], length: int, mask: Tensor | None) -> tuple[Tensor, Tensor]: ...
+
+    def pooled(self, x: Tensor, cos: Tensor, sin: Tensor, step: PooledStep) -> tuple[Tensor, Tensor]: ...
+
+
 class LeanRunner(ModelRunner):
     """``ModelRunner`` for a plain llama model, computed layer by layer over a preallocated cache."""
 
@@ -157,7 +163,7 @@ class LeanRunner(ModelRunner):
         self._slot = -1
         # the compiled forward (``compiled.CompiledForward``, given by ``compiled.compile_runner``): a single
         # request's, and several requests' over a pool
-        self.compiled: CompiledForward | None = None
+        self.compiled: Compiled | None = None
 
     @property
     def cached_len(self) -> int:

@@ -24,7 +24,7 @@ cost; on a CPU serving a handful of requests of a few thousand tokens it is tens
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +32,14 @@ from torch import Tensor
 
 from boosttune.kernels.tree_attention import full_mask
 
-if TYPE_CHECKING:
-    from boosttune.serving.lean import LeanRunner
+
+class LeanRunner(Protocol):
+    """What this module reads and sets of a ``lean.LeanRunner`` (named here: lean.py imports this module)."""
+
+    _keys: list[Tensor]
+    _values: list[Tensor]
+    _pool: KVPool | None
+    _slot: int
 
 
 class KVPool:

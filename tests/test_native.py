@@ -47,7 +47,7 @@ def test_a_compiled_forward_holds_its_weights_in_the_native_table_until_it_is_fr
     keys = sorted(forward._native)
     assert len(keys) == 2 * 4 + 1  # every product of the two layers and the LM head
     x = torch.randn(1, 2, runner.model.config.hidden_size)
-    torch.ops.boosttune_native.linear(x, keys[0], forward._layers[0][0][1])
+    torch.ops.boosttune_native.linear(x, keys[0], forward._layers_keys[0][0][1])
     del forward
     gc.collect()  # the compiled function refers back to its module: a cycle
     with pytest.raises(RuntimeError, match="no weight under key"):
