@@ -58,7 +58,7 @@ from torch import Tensor
 
 from boosttune.serving import cpu_linear, native
 from boosttune.serving.lean import Feed, LeanRunner, Product, run_many
-from boosttune.serving.pooled import PooledStep
+from boosttune.serving.pooled import PooledStep, pooled_attention
 from boosttune.serving.quantize import QuantLinear
 
 _LIB = torch.library.Library("boosttune", "DEF")
@@ -239,20 +239,8 @@ class CompiledForward(torch.nn.Module):
     def _pooled_forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor],
                         writes: tuple[Tensor, Tensor], rows: tuple[Tensor, Tensor],
                         mask: Tensor, norms: Tensor, head_ids: Tensor | None) -> tuple[Tensor, Tensor]:
-        q_n, g_n, c = self._q, self._g, self._c
-        rep = q_n // g_n
-        width, tm, length = mask.shape[0], mask.shape[2] // rep, mask.shape[3]  # sizes from tensors: ints specialise
-        write_slot, write_pos = writes
-        src, dst = rows
-
-        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # PooledStep.attend, step for step
-            keys[i][write_slot, :, write_pos] = k[0].transpose(0, 1)
-            values[i][write_slot, :, write_pos] = v[0].transpose(0, 1)
-            qp = q[0].index_select(1, src).view(q_n, width, tm, c).transpose(0, 1)  # (width, Q, Tm, C)
-            att = F.scaled_dot_product_attention(qp.reshape(width, g_n, rep * tm, c), keys[i][:width, :, :length],
-                                                 values[i][:width, :, :length], attn_mask=mask, scale=self._scale)
-            att = att.reshape(width, q_n, tm, c).transpose(0, 1).reshape(q_n, width * tm, c)
-            return att.index_select(1, dst).unsqueeze(0)  # (1, Q, N, C)
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return pooled_attention(keys[i], values[i], q, k, v, writes, rows, mask, self._scale)
 
         return self._layers(x, cos, sin, norms, head_ids, attend)
 

@@ -105,17 +105,21 @@ class PooledStep:
     """One batched forward's attention over a pool: the index and mask tensors, made once per forward
     and used by every layer (``plan``)."""
 
-    def __init__(self, pool: KVPool, rep: int, writes: tuple[Tensor, Tensor], rows: tuple[Tensor, Tensor],
+    def __init__(self, pool: KVPool, writes: tuple[Tensor, Tensor], rows: tuple[Tensor, Tensor],
                  mask: Tensor):
         """``writes``: the (N,) slot and position of each fed token; ``rows``: the (width Tm,) fed row of
         each padded query row and the (N,) padded row of each fed row; ``mask``: (width, 1, rep Tm, Sm)
         bool. The step attends over slots 0 .. width - 1, idle ones included (their rows padding): one
         shape fewer for the compiled graph, and a batch's requests hold the first slots."""
-        self.pool, self.rep = pool, rep
+        self.pool = pool
         self.write_slot, self.write_pos = writes
         self.src, self.dst = rows
         self.mask = mask
-        self.width, self.tm, self.sm = mask.shape[0], mask.shape[2] // rep, mask.shape[3]
+
+    @property
+    def width(self) -> int:
+        """Slots attended: 0 .. width - 1."""
+        return self.mask.shape[0]
 
     @classmethod
     def plan(cls, pool: KVPool, feeds: Sequence[tuple[LeanRunner, int, Tensor, int, int, int, int]],
@@ -143,22 +147,34 @@ class PooledStep:
             dst += range(j, j + t)
             mask[slot, :t, :s] = full
         dev = pool.device
-        return cls(pool, rep, (torch.tensor(write_slot, device=dev), torch.tensor(write_pos, device=dev)),
+        return cls(pool, (torch.tensor(write_slot, device=dev), torch.tensor(write_pos, device=dev)),
                    (src.to(dev), torch.tensor(dst, device=dev)), mask.to(dev).repeat(1, rep, 1).unsqueeze(1))
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Write the fed (1, G, N, C) keys ``k`` and values ``v`` into their slots of ``layer`` and attend
         with the (1, Q, N, C) queries ``q``; returns (1, Q, N, C)."""
-        keys, values = self.pool.keys[layer][: self.width], self.pool.values[layer][: self.width]  # (width, G, K, C)
-        keys[self.write_slot, :, self.write_pos] = k[0].transpose(0, 1)  # (N, G, C)
-        values[self.write_slot, :, self.write_pos] = v[0].transpose(0, 1)
-        qn, c = q.shape[1], q.shape[3]
-        qp = q[0].index_select(1, self.src).view(qn, self.width, self.tm, c).transpose(0, 1)  # (width, Q, Tm, C)
-        qp = qp.reshape(self.width, qn // self.rep, self.rep * self.tm, c)  # (width, G, rep Tm, C)
-        att = F.scaled_dot_product_attention(qp, keys[:, :, : self.sm], values[:, :, : self.sm],
-                                             attn_mask=self.mask, scale=scale)
-        att = att.reshape(self.width, qn, self.tm, c).transpose(0, 1).reshape(qn, self.width * self.tm, c)
-        return att.index_select(1, self.dst).unsqueeze(0)  # (1, Q, N, C)
+        return pooled_attention(self.pool.keys[layer], self.pool.values[layer], q, k, v,
+                                (self.write_slot, self.write_pos), (self.src, self.dst), self.mask, scale)
+
+
+def pooled_attention(keys: Tensor, values: Tensor, q: Tensor, k: Tensor, v: Tensor, writes: tuple[Tensor, Tensor],
+                     rows: tuple[Tensor, Tensor], mask: Tensor, scale: float) -> Tensor:
+    """One layer's attention over a pool (``PooledStep``'s tensors; the compiled graph calls it too): writes
+    the fed (1, G, N, C) keys ``k`` and values ``v`` into the layer's (R, G, K, C) ``keys``/``values`` and
+    attends with the (1, Q, N, C) queries ``q``. Sizes come from tensors, so that a compiled graph keeps
+    them symbolic. Returns (1, Q, N, C)."""
+    write_slot, write_pos = writes
+    src, dst = rows
+    qn, g, c = q.shape[1], k.shape[1], q.shape[3]
+    width, rep = mask.shape[0], qn // g
+    tm, sm = mask.shape[2] // rep, mask.shape[3]
+    keys[write_slot, :, write_pos] = k[0].transpose(0, 1)  # (N, G, C)
+    values[write_slot, :, write_pos] = v[0].transpose(0, 1)
+    qp = q[0].index_select(1, src).view(qn, width, tm, c).transpose(0, 1)  # (width, Q, Tm, C)
+    att = F.scaled_dot_product_attention(qp.reshape(width, g, rep * tm, c), keys[:width, :, :sm],
+                                         values[:width, :, :sm], attn_mask=mask, scale=scale)
+    att = att.reshape(width, qn, tm, c).transpose(0, 1).reshape(qn, width * tm, c)
+    return att.index_select(1, dst).unsqueeze(0)
 
 
 def shared_pool(runners: Sequence[LeanRunner]) -> KVPool | None:
