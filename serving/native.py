@@ -2,14 +2,18 @@
 
 ``available()`` builds and loads them once per process (~20 s the first time on 2 cores, then cached by
 torch under ``TORCH_EXTENSIONS_DIR``, ``~/.cache/torch_extensions`` by default) and says whether they
-are there. Where the build fails (no C++ compiler or ninja) or ``BOOSTTUNE_NATIVE=0``, callers keep their
+are there. They are built for the CPU at hand (``-march=native``: the int8 product's loops vectorise to
+its widest registers), so the build's name carries a digest of the CPU's model and flags: a cache shared
+by machines with other CPUs builds once per CPU instead of loading code that one of them cannot run. Where the build fails (no C++ compiler or ninja) or ``BOOSTTUNE_NATIVE=0``, callers keep their
 Python paths; the reason is in ``reason()``.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -32,18 +36,35 @@ def available() -> bool:
         bin_dir = str(Path(sys.executable).parent)
         if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        cpp_extension.load(name="boosttune_native", sources=[str(SOURCE)], extra_cflags=["-O2"],
+        cpp_extension.load(name=f"boosttune_native_{_cpu_digest()}", sources=[str(SOURCE)],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=False)
     except Exception as e:  # a missing compiler or ninja: the Python paths stay
         _why.append(f"{type(e).__name__}: {str(e)[:200]}")
         return False
     torch.library.register_fake("boosttune_native::linear")(_linear_shape)
+    torch.library.register_fake("boosttune_native::int8_mm")(_int8_mm_shape)
     return True
 
 
 def reason() -> str | None:
     """Why the native ops are not loaded (None: they are, or were not asked for yet)."""
     return _why[-1] if _why else None
+
+
+def _cpu_digest() -> str:
+    """8 hex digits naming this CPU: its model and flags (Linux), else what ``platform`` knows."""
+    text = platform.machine() + platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            text += "".join(sorted({line for line in f if line.startswith(("model name", "flags"))}))
+    except OSError:
+        pass
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def _int8_mm_shape(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def _linear_shape(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from conftest import tiny_llama
 
 from boosttune.serving import compiled as compiled_mod
-from boosttune.serving import cpu_linear, native
+from boosttune.serving import cpu_linear, native, quantize
 from boosttune.serving.compiled import CompiledForward, compile_runner
 from boosttune.serving.lean import LeanRunner
 
@@ -67,6 +67,49 @@ def test_without_the_native_ops_the_compiled_forward_calls_the_python_op(monkeyp
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
     args = (torch.tensor([[5, 6, 7]]), torch.tensor([[p, p + 1, p + 1]]), p, tree)
     torch.testing.assert_close(runner.forward(*args), eager.forward(*args), rtol=1e-4, atol=1e-4)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_mm_computes_torchs_int8_product_and_each_row_alone(dtype) -> None:
+    """37 outputs (a last block of one), 1 to 9 rows (every row block and its tail): the product of the
+    inputs and the scaled codes, as torch's kernel gives it, and each row the same bit for bit whatever
+    rows share the call, so a tree's rows round as a plain step's."""
+    g = torch.Generator().manual_seed(3)
+    codes, scales = quantize.int8_codes(torch.randn(37, 64, generator=g))
+    scales = scales.to(dtype)
+    x = torch.randn(9, 64, generator=g).to(dtype)
+    ours = torch.ops.boosttune_native.int8_mm(x, codes, scales)
+    assert ours.shape == (9, 37) and ours.dtype == dtype
+    want = x.float() @ (codes.float() * scales.float()[:, None]).T
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours.float(), want, rtol=tol, atol=tol * float(want.abs().max()))
+    torch.testing.assert_close(ours, torch.ops.aten._weight_int8pack_mm(x, codes, scales), rtol=tol,
+                               atol=tol * float(want.abs().max()))
+    for rows in range(1, 9):
+        for r in range(0, 9 - rows + 1, 3):
+            assert torch.equal(torch.ops.boosttune_native.int8_mm(x[r : r + rows], codes, scales), ours[r : r + rows])
+
+
+@needs_native
+def test_int8_mm_refuses_what_it_cannot_multiply_and_quantize_falls_back() -> None:
+    codes, scales = quantize.int8_codes(torch.randn(8, 40))
+    with pytest.raises(RuntimeError, match="multiple of"):
+        torch.ops.boosttune_native.int8_mm(torch.randn(2, 40), codes, scales)
+    with pytest.raises(RuntimeError, match="scales must be in the inputs' dtype"):
+        torch.ops.boosttune_native.int8_mm(torch.randn(2, 48), quantize.int8_codes(torch.randn(8, 48))[0],
+                                           scales.bfloat16())
+    # in_features the kernel does not take (40): quantize.int8_mm uses torch's kernel instead
+    x = torch.randn(3, 40)
+    torch.testing.assert_close(quantize.int8_mm(x, codes, scales), x @ (codes.float() * scales[:, None]).T,
+                               rtol=1e-5, atol=1e-4)
+    assert quantize.native_int8() == bool(torch.ops.boosttune_native.int8_vectorised())
+
+
+def test_the_native_build_is_named_for_its_cpu() -> None:
+    """A cache shared by machines with other CPUs must not load code built for another's instructions."""
+    digest = native._cpu_digest()
+    assert len(digest) == 8 and int(digest, 16) >= 0 and digest == native._cpu_digest()
 
 
 def test_boosttune_native_0_turns_the_native_ops_off_and_says_so() -> None:

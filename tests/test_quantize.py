@@ -166,13 +166,14 @@ def test_quantize_refuses_what_it_cannot_serve(monkeypatch):
         assemble.quantize_llm(engine_from_models(llm, [], TreeConfig(widths=(1,))), "int4")
 
 
-def test_a_compiled_quantized_forward_matches_the_eager_one():
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_compiled_quantized_forward_matches_the_eager_one(scheme):
     from boosttune.serving.compiled import compile_runner
 
     llm = tiny_llama(5)
     eager, compiled = LeanRunner(llm), LeanRunner(llm)
-    eager.quantize("int4")
-    compiled.quantize("int4")
+    eager.quantize(scheme)
+    compiled.quantize(scheme)
     compile_runner(compiled, warm_up=False)
     prompt = torch.tensor([3, 9, 4, 17, 2])
     eager.prefill(prompt)
