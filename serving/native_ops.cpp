@@ -79,17 +79,20 @@ at::Tensor linear(const at::Tensor& x, int64_t key, int64_t out_features) {
 
 // int8_mm: (R, I) inputs (fp32 or bf16) times (O, I) int8 weights with one scale per output, as
 // aten::_weight_int8pack_mm computes them, but blocked over outputs and rows: each weight is loaded and
-// converted once per RB rows, and a block of OB outputs' weights (a few KB) stays in L1 for the next rows.
-// torch's kernel reads the weights again every few rows, so its cost grew about linearly with the rows a
-// tree verification feeds (serving/quantize.py has the figures).
+// converted to fp32 once per RB rows (8 with AVX512), a block of OB outputs' weights (a few KB) stays in L1
+// for the next rows, and the weights AHEAD outputs on are prefetched (a row of 576 or 1536 bytes is too
+// short for the hardware prefetcher to ramp up: without it one row ran at torch's speed). Rows of RB or
+// more in bf16 are converted to fp32 once, so that the products read them from memory and the vector
+// ports convert only weights. torch's kernel reads the weights again every few rows, so its cost grew
+// about linearly with the rows a tree verification feeds (serving/quantize.py has the figures).
 //
 // Every output is the sum of its lanes' partial sums (lane l holds the inputs i = l mod LANES), each
 // accumulated in input order, then reduced in a fixed order: the same operations for a row whatever R is
 // and wherever it falls in a block, so a row's output does not depend on the other rows fed with it
-// (a tree's row rounds as a plain step's would; tests/test_quantize.py checks it bit for bit).
+// (a tree's row rounds as a plain step's would; tests/test_native.py checks it bit for bit).
 #if defined(__AVX512F__)
 constexpr int64_t LANES = 16;
-constexpr int64_t RB = 4;
+constexpr int64_t RB = 8;
 using Vec = __m512;
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
@@ -135,7 +138,8 @@ inline Vec vfma(Vec a, Vec b, Vec c) { return a * b + c; }
 inline float vsum(Vec v) { return v; }
 constexpr bool VECTORISED = false;
 #endif
-constexpr int64_t OB = 4;
+constexpr int64_t OB = 2;     // outputs per block (AVX512: 2 x 8 accumulators, each row's input from memory)
+constexpr int64_t AHEAD = 8;  // prefetch distance in output rows
 
 template <int64_t ROWS, typename T>
 void int8_block(const T* x, int64_t in, const int8_t* w, int64_t outs, float* sums) {
@@ -146,9 +150,9 @@ void int8_block(const T* x, int64_t in, const int8_t* w, int64_t outs, float* su
   for (int64_t i = 0; i < in; i += LANES) {
     Vec xv[ROWS];
     for (int64_t r = 0; r < ROWS; ++r) xv[r] = vload(x + r * in + i);
-    if (i % 64 == 0)  // the weights two blocks on, a cache line per row per 64 inputs: the short rows of a
+    if (i % 64 == 0)  // the weights 8 outputs on, a cache line per row per 64 inputs: the short rows of a
       for (int64_t o = 0; o < OB; ++o)  // block are too short for the hardware prefetcher to ramp up
-        __builtin_prefetch(w + (2 * OB + o) * in + i, 0, 3);
+        __builtin_prefetch(w + (AHEAD + o) * in + i, 0, 3);
     for (int64_t o = 0; o < OB; ++o) {
       const Vec wf = vint8(w + o * in + i);
       for (int64_t r = 0; r < ROWS; ++r) acc[r][o] = vfma(xv[r], wf, acc[r][o]);
@@ -169,8 +173,8 @@ void int8_rows(const T* x, int64_t in, const int8_t* w, int64_t outs, float* sum
   int8_block<ROWS>(x, in, padded.data(), outs, sums);
 }
 
-template <typename T>
-void int8_kernel(const T* xp, const int8_t* wp, const T* sp, T* op, int64_t rows, int64_t in, int64_t outs) {
+template <typename T, typename S>
+void int8_kernel(const T* xp, const int8_t* wp, const S* sp, S* op, int64_t rows, int64_t in, int64_t outs) {
   const int64_t blocks = (outs + OB - 1) / OB;
   at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
     float sums[RB * OB];
@@ -186,11 +190,15 @@ void int8_kernel(const T* xp, const int8_t* wp, const T* sp, T* op, int64_t rows
 #if defined(__AVX512F__)
           case 3: int8_rows<3>(xr, in, wb, n, sums); break;
           case 4: int8_rows<4>(xr, in, wb, n, sums); break;
+          case 5: int8_rows<5>(xr, in, wb, n, sums); break;
+          case 6: int8_rows<6>(xr, in, wb, n, sums); break;
+          case 7: int8_rows<7>(xr, in, wb, n, sums); break;
+          case 8: int8_rows<8>(xr, in, wb, n, sums); break;
 #endif
         }
-        for (int64_t r = 0; r < m; ++r)  // rounded once, to T (round to nearest even for bf16)
+        for (int64_t r = 0; r < m; ++r)  // rounded once, to S (round to nearest even for bf16)
           for (int64_t o = 0; o < n; ++o)
-            op[(r0 + r) * outs + o0 + o] = static_cast<T>(sums[r * OB + o] * static_cast<float>(sp[o0 + o]));
+            op[(r0 + r) * outs + o0 + o] = static_cast<S>(sums[r * OB + o] * static_cast<float>(sp[o0 + o]));
       }
     }
   });
@@ -211,9 +219,14 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tens
   at::Tensor out = at::empty({rows, outs}, x.options());
   if (x.scalar_type() == at::kFloat)
     int8_kernel(xc.data_ptr<float>(), w.data_ptr<int8_t>(), sc.data_ptr<float>(), out.data_ptr<float>(), rows, in, outs);
-  else
+  else if (rows < RB)  // bf16 rows converted in the loop (exactly, as below)
     int8_kernel(xc.data_ptr<c10::BFloat16>(), w.data_ptr<int8_t>(), sc.data_ptr<c10::BFloat16>(),
                 out.data_ptr<c10::BFloat16>(), rows, in, outs);
+  else {  // converted once: fp32 rows feed the products straight from memory, sparing the vector ports
+    const at::Tensor xf = xc.to(at::kFloat);
+    int8_kernel(xf.data_ptr<float>(), w.data_ptr<int8_t>(), sc.data_ptr<c10::BFloat16>(),
+                out.data_ptr<c10::BFloat16>(), rows, in, outs);
+  }
   return out;
 }
 
