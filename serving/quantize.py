@@ -12,7 +12,7 @@ group). Measured with ``scripts/bench_quant_linear.py`` (AMD EPYC with AVX512-BF
 | rows R | 1 | 2 | 4 | 8 | 16 | 32 |
 |---|---|---|---|---|---|---|
 | bf16, oneDNN packed (today's default) | 17.2 | 18.1 | 15.0 | 17.4 | 20.9 | 35.1 |
-| int8 weights | 10.3 | 12.5 | 14.7 | 26.9 | 43.5 | 77.8 |
+| int8 weights, torch's kernel | 10.3 | 12.5 | 14.7 | 26.9 | 43.5 | 77.8 |
 | int4 weights, groups of 32 | 5.2 | 6.2 | 8.3 | 14.6 | 27.6 | 56.6 |
 
 Both kernels walk the weights again for every few rows, so their cost grows with the rows a
@@ -21,20 +21,22 @@ only at one or two. Each output row is computed from its input row alone (checke
 here), so a tree's row rounds exactly as a plain step's would.
 
 int8 products therefore run on our own kernel where it is built (``int8_mm``: ``boosttune_native::int8_mm``
-in ``serving/native_ops.cpp``, AVX512 or AVX2 with FMA): it converts each weight once per four rows, keeps
-a block of four outputs' weights in L1 for the next rows, and prefetches the weights two blocks ahead,
-since a block's rows (576 or 1536 bytes) are too short for the hardware prefetcher. The same script on an
-Intel Xeon with AMX (2 threads, torch 2.13; bf16 packed for comparison):
+in ``serving/native_ops.cpp``, AVX512 or AVX2 with FMA): it converts each weight once per eight rows, keeps
+a block of two outputs' weights in L1 for the next rows, and prefetches the weights eight outputs ahead,
+since a row of 576 or 1536 bytes is too short for the hardware prefetcher. The same script on an Intel
+Xeon with AMX (2 threads, torch 2.13; bf16 packed for comparison; this machine's figures drift by ~10 %
+from run to run):
 
 | rows R | 1 | 2 | 4 | 8 | 16 | 32 |
 |---|---|---|---|---|---|---|
-| bf16, oneDNN packed | 19.8 | 20.1 | 19.6 | 19.9 | 20.3 | 22.7 |
-| int8 weights, torch's kernel | 13.0 | 14.2 | 16.7 | 29.5 | 45.6 | 74.1 |
-| int8 weights, ``int8_mm`` | **8.9** | 9.5 | 10.7 | 17.0 | 29.7 | 56.7 |
+| bf16, oneDNN packed | 19.2 | 19.5 | 20.1 | 18.9 | 20.2 | 22.7 |
+| int8 weights, torch's kernel | 13.2 | 14.8 | 17.6 | 30.9 | 46.1 | 75.1 |
+| int8 weights, ``int8_mm`` | **10.0** | 11.3 | 13.2 | **14.5** | 26.2 | 53.2 |
 
-Without the prefetch it ran at torch's speed for one row (13.1 ms). Taking the bf16 inputs two at a
-time with AVX512-BF16's dot product (``vdpbf16ps``) was slower here (24.5 ms at 8 rows): converting the
-weights to bf16 costs more than the products it saves.
+Without the prefetch one row ran at torch's speed (13.1 ms). Blocks of four outputs and four rows gave
+17.0 ms at eight rows. Taking the bf16 inputs two at a time with AVX512-BF16's dot product
+(``vdpbf16ps``) was slower here (24.5 ms at eight rows): converting the weights to bf16 costs more than
+the products it saves.
 
 The quantization: per output channel, round to nearest (int8: symmetric, scale = max |w| / 127; int4:
 each group of ``group`` inputs mapped onto 16 levels between its min and max). A fused product
