@@ -211,10 +211,8 @@ class CompiledForward(torch.nn.Module):
         scheme, group = self._quant
         packed, scales = getattr(self, f"_qw{j}")[i], getattr(self, f"_qs{j}")[i]
         flat = x.reshape(-1, x.shape[-1])  # (R, I)
-        if scheme == "int8" and self._native_int8 and flat.shape[1] % quantize.NATIVE_LANES == 0:
-            out = torch.ops.boosttune_native.int8_mm(flat, packed, scales)  # quantize.int8_mm's choice
-        elif scheme == "int8":
-            out = torch.ops.aten._weight_int8pack_mm(flat, packed, scales)
+        if scheme == "int8":
+            out = quantize.int8_mm(flat, packed, scales, self._native_int8)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, group, scales)
         return out.view(*x.shape[:-1], out_features)

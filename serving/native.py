@@ -3,9 +3,10 @@
 ``available()`` builds and loads them once per process (~20 s the first time on 2 cores, then cached by
 torch under ``TORCH_EXTENSIONS_DIR``, ``~/.cache/torch_extensions`` by default) and says whether they
 are there. They are built for the CPU at hand (``-march=native``: the int8 product's loops vectorise to
-its widest registers), so the build's name carries a digest of the CPU's model and flags: a cache shared
-by machines with other CPUs builds once per CPU instead of loading code that one of them cannot run. Where the build fails (no C++ compiler or ninja) or ``BOOSTTUNE_NATIVE=0``, callers keep their
-Python paths; the reason is in ``reason()``.
+its widest registers; OpenMP for its threads), so the build's name carries a digest of the CPU's model and
+flags: a cache shared by machines with other CPUs builds once per CPU instead of loading code that one of
+them cannot run. Where the build fails (no C++ compiler, ninja or OpenMP) or ``BOOSTTUNE_NATIVE=0``,
+callers keep their Python paths; the reason is in ``reason()``.
 """
 
 from __future__ import annotations

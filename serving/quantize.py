@@ -177,11 +177,14 @@ def native_int8() -> bool:
     return native.available() and bool(torch.ops.boosttune_native.int8_vectorised())
 
 
-def int8_mm(x: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
+def int8_mm(x: Tensor, packed: Tensor, scales: Tensor, native_ok: bool | None = None) -> Tensor:
     """(R, I) ``x`` times the (O, I) int8 codes ``packed`` scaled per output by ``scales`` (O,): (R, O) in
     ``x``'s dtype. Our kernel reads each weight once per call whatever R is; torch's reads them again every
-    few rows (the table above)."""
-    if native_int8() and x.shape[1] % NATIVE_LANES == 0:
+    few rows (the table above). ``native_ok``: ``native_int8()``'s answer, passed where it must not be
+    asked (a compiled graph); None asks it."""
+    if native_ok is None:
+        native_ok = native_int8()
+    if native_ok and x.shape[1] % NATIVE_LANES == 0:
         return torch.ops.boosttune_native.int8_mm(x, packed, scales)
     return torch.ops.aten._weight_int8pack_mm(x, packed, scales)
 

@@ -474,7 +474,7 @@ def test_bench_quant_linear_times_every_form_at_every_row_count(tiny_dirs, capsy
     out = capsys.readouterr().out
     table = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [int(r.split("|")[1]) for r in table] == [1, 2, 4, 8, 16, 32]
-    assert all(len(r.split("|")) == 7 for r in table) and "relative error" in out
+    assert all(len(r.split("|")) == 8 for r in table) and "relative error" in out
 
 
 def test_bench_step_times_each_feed_of_the_lean_forward(tiny_dirs, capsys):
