@@ -704,20 +704,11 @@ def _with_threads(threads: int | None, fn: Callable[[], float]) -> float:
     requests, in the middle of serving (the pooled graphs with the sizes of that moment, so that later
     sizes compiled again). A thread, not this one: the main thread must not keep an OpenMP team of its
     own (``boosttune/cli/serve.py``)."""
-    out: list[float] = []
-    failed: list[BaseException] = []
 
-    def run() -> None:
+    def run() -> float:
         if threads:
             torch.set_num_threads(threads)
-        try:
-            out.append(fn())
-        except BaseException as e:
-            failed.append(e)
+        return fn()
 
-    thread = threading.Thread(target=run, name="boosttune-compile")
-    thread.start()
-    thread.join()
-    if failed:
-        raise failed[0]
-    return out[0]
+    with ThreadPoolExecutor(1, thread_name_prefix="boosttune-compile") as pool:
+        return pool.submit(run).result()  # fn's exception, if any, raised here
