@@ -294,7 +294,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         draft_ranking=cfg.draft_ranking, lookup=cfg.prompt_lookup, use_scheduler=cfg.use_scheduler, device=cfg.device,
     )
     if cfg.quantize:
-        assemble.quantize_llm(served.engine, cfg.quantize)
+        assemble.quantize_served(served.engine, cfg.quantize)
     compile_s = assemble.compile_served(served) if cfg.compile else None
     llm, ssms = served.llm, list(served.models.values())
     tok = llm.tokenizer

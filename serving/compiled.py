@@ -151,7 +151,10 @@ class CompiledForward(torch.nn.Module):
             assert isinstance(first, QuantLinear)
             self._quant = runner.quantized, first.group
             self._native_int8 = quantize.native_int8()  # decided here: the graph holds no call to decide it
-            for j, (packed, scales) in enumerate(runner.quant_stacks):
+            stacks = list(runner.quant_stacks)
+            if isinstance(head, QuantLinear) and head is not runner.lm_product():  # a drafter's cut head
+                stacks[4] = head.packed[None], head.scales[None]
+            for j, (packed, scales) in enumerate(stacks):
                 self.register_buffer(f"_qw{j}", packed, persistent=False)
                 self.register_buffer(f"_qs{j}", scales, persistent=False)
             self._layers_keys = tuple(tuple((-1, p.out_features) for p in ly) for ly in layers)
@@ -188,6 +191,10 @@ class CompiledForward(torch.nn.Module):
         query sees every key). Returns the (T, V) fp32 logits and (T, H) fp32 last hidden states (then
         the inputs of the ``taps`` layers: (T, (1 + taps) H))."""
         return self._fn(x, cos, sin, slots, keys, values, length, mask, self._norms, self._head_ids)
+
+    def rebuilt(self, runner: LeanRunner) -> CompiledForward:
+        """``lean.Compiled.rebuilt``: the graph holds the LM head it was built with."""
+        return CompiledForward(runner)
 
     def pooled(self, x: Tensor, cos: Tensor, sin: Tensor, step: PooledStep) -> tuple[Tensor, Tensor]:
         """Several requests' forward over their caches' pool (``lean.run_many``): ``x`` (1, N, H) the

@@ -173,6 +173,11 @@ class SSMDrafter:
             self.runner.restrict_head(self._head(k))
             self._head_k = k
 
+    def prepare(self, tree: TreeConfig) -> None:
+        """Make ready to draft ``tree``s: the LM head cut to its draft vocabulary now, not at the first
+        draft, so that a forward compiled after this one is built for that head."""
+        self._sync_head(tree.draft_vocab)
+
     def _catch_up(self, committed: Tensor) -> Tensor:
         """Feed the committed tokens the cache lacks; returns (V,) logits after the last one."""
         self.runner.crop(self._synced)

@@ -132,6 +132,11 @@ class Compiled(Protocol):
 
     def pooled(self, x: Tensor, cos: Tensor, sin: Tensor, step: PooledStep) -> tuple[Tensor, Tensor]: ...
 
+    def rebuilt(self, runner: LeanRunner) -> Compiled:
+        """A compiled forward of ``runner`` as it is now (its LM head cut to another draft vocabulary);
+        its graphs compile at their first call."""
+        ...
+
 
 class LeanRunner(ModelRunner):
     """``ModelRunner`` for a plain llama model, computed layer by layer over a preallocated cache."""
@@ -140,7 +145,7 @@ class LeanRunner(ModelRunner):
         why = lean_reason(model)
         if why is not None:
             raise ValueError(f"LeanRunner cannot run {type(model).__name__}: {why}")
-        super().__init__(model, head_ids)
+        super().__init__(model)  # the head is cut last, once this runner's own attributes exist
         cfg = model.config
         body = model.base_model
         self._body = body
@@ -164,6 +169,8 @@ class LeanRunner(ModelRunner):
         # the compiled forward (``compiled.CompiledForward``, given by ``compiled.compile_runner``): a single
         # request's, and several requests' over a pool
         self.compiled: Compiled | None = None
+        if head_ids is not None:
+            self.restrict_head(head_ids)
 
     @property
     def cached_len(self) -> int:
@@ -217,13 +224,13 @@ class LeanRunner(ModelRunner):
         quantized weights. For a frozen model being served, before any runner is spawned or the forward
         compiled: the quantized weights are taken once, and the model's own weights stay as they are
         (transformers' forward and training still use them). Raises ValueError naming ``--quantize``
-        where it cannot (a GPU model, a restricted LM head, a compiled forward, quantized already, or a
+        where it cannot (a GPU model, a compiled forward, quantized already, or a
         weight shape the kernel refuses), before anything changes."""
         quantize_mod.check_scheme(scheme, group)
         if self.device.type != "cpu":
             raise ValueError(f"--quantize {scheme}: the quantized kernels are for CPUs; the LLM is on {self.device}")
-        if self._head is not None or self.compiled is not None or self.quantized is not None:
-            raise ValueError(f"--quantize {scheme}: quantize a runner of the whole vocabulary before compiling it, once")
+        if self.compiled is not None or self.quantized is not None:
+            raise ValueError(f"--quantize {scheme}: quantize a runner before compiling it, once")
         dtype = self._body.embed_tokens.weight.dtype
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"--quantize {scheme}: the LLM's dtype must be fp32 or bf16, got {dtype}")
@@ -240,7 +247,22 @@ class LeanRunner(ModelRunner):
         self._qkv, self._o, self._gate_up, self._down = kinds
         self._lm = lm
         self.quantized = scheme
+        if self.head_ids is not None:  # a drafter's head cut to a draft vocabulary: its rows quantized too
+            self.restrict_head(self.head_ids)
         return lm.nbytes + sum(p.nbytes for layer in layers for p in layer)
+
+    def restrict_head(self, head_ids: Tensor | None) -> None:
+        """``ModelRunner.restrict_head``; a quantized runner's cut head is quantized the same way, and a
+        compiled forward is rebuilt for the new head (it compiles again at its first call: cut the head
+        before compiling, ``SSMDrafter.prepare``, to compile once)."""
+        super().restrict_head(head_ids)
+        if self.quantized is not None and self._head is not None:
+            lm = self._lm
+            assert isinstance(lm, quantize_mod.QuantLinear)
+            self._head = quantize_mod.QuantLinear.from_weight(self._head.weight.detach(), lm.scheme, lm.group or
+                                                              quantize_mod.DEFAULT_GROUP)
+        if self.compiled is not None:
+            self.compiled = self.compiled.rebuilt(self)
 
     def spawn(self, pool: KVPool | None = None) -> LeanRunner:
         """A runner of the same model and fused weights with an empty cache of its own (one per

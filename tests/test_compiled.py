@@ -147,6 +147,29 @@ def test_served_engines_compile_the_llm_and_each_lean_drafter(llm):
     assert engine.generate([5, 9, 2], stop).tokens == incremental_generate(llm, [5, 9, 2], stop).tokens
 
 
+def test_a_served_drafter_compiles_over_its_draft_vocabulary(llm):
+    """compile_served cuts each drafter's head to its tree's draft vocabulary before building its graphs
+    (not the whole vocabulary's head the drafter had at load); a head cut later rebuilds the forward."""
+    from boosttune.assemble import Served
+
+    ranking = torch.randperm(64, generator=torch.Generator().manual_seed(4))
+    engine = engine_from_models(llm, [perturbed(llm, 15, 0.3)], TreeConfig(widths=(2, 1), draft_vocab=24),
+                                ranking=ranking)
+    compile_served(Served(engine=engine, llm=None, models={}))  # type: ignore[arg-type]
+    runner = engine.drafters["ssm-1"].runner
+    first = runner.compiled
+    assert first is not None and first._head[1] == 24 and torch.equal(first._head_ids.sort().values,
+                                                                      ranking[:24].sort().values)
+    stop = StopCriteria(max_new_tokens=30)
+    assert engine.generate([5, 9, 2], stop).tokens == incremental_generate(llm, [5, 9, 2], stop).tokens
+    assert runner.compiled is first  # drafting with the tree it was built for rebuilt nothing
+    runner.restrict_head(ranking[:8])
+    assert runner.compiled is not first and runner.compiled._head[1] == 8
+    p = runner.cached_len
+    logits = runner.forward(torch.tensor([[4]]), torch.tensor([[p]]), p, torch.ones(1, 1, dtype=torch.bool))
+    assert torch.isfinite(logits[0, ranking[:8]]).all() and torch.isinf(logits[0, ranking[8:]]).all()
+
+
 def test_what_cannot_compile_says_why(llm):
     assert "ModelRunner" in compile_reason(ModelRunner(copy.deepcopy(llm)))
     biased = tiny_llama(13)

@@ -131,8 +131,8 @@ COMPILE_HELP = ("compile the CPU forward of the LLM and the drafters with torch.
                 "the faster end) and needs a C++ compiler")
 """What ``--compile`` says, in every command that decodes."""
 
-QUANTIZE_HELP = ("serve the LLM with weight-only int8 or int4 (groups of 32) weights (serving/quantize.py; CPU, fp32 or "
-                 "bf16): a plain step reads fewer bytes. Lossless with respect to the quantized LLM; its output "
+QUANTIZE_HELP = ("serve the LLM and the drafters with weight-only int8 or int4 (groups of 32) weights (serving/quantize.py; "
+                 "CPU, fp32 or bf16): a step reads fewer bytes. Lossless with respect to the quantized LLM; its output "
                  "differs from the unquantized LLM's as a quantized model's does (default off)")
 """What ``--quantize`` says, in every command that decodes."""
 
@@ -214,7 +214,7 @@ def assemble_from_args(args: argparse.Namespace) -> Served:
         use_scheduler=not args.no_scheduler, device=args.device,
     )
     if args.quantize:
-        assemble.quantize_llm(served.engine, args.quantize)
+        assemble.quantize_served(served.engine, args.quantize)
     if args.compile:
         assemble.compile_served(served)
     return served

@@ -186,8 +186,9 @@ class _State:
         # what `boosttune generate` and `bench` assemble from the same bundle (boosttune/assemble.py)
         self.served = assemble.from_bundle(bundle, use_scheduler=config.use_scheduler)
         if config.quantize:
-            mb = assemble.quantize_llm(self.served.engine, config.quantize) / 1e6
-            log.info("the LLM's products quantized to %s (%.0f MB)", config.quantize, mb)
+            llm_b, drafters_b = assemble.quantize_served(self.served.engine, config.quantize)
+            log.info("the products of the LLM (%.0f MB) and the drafters (%.0f MB) quantized to %s", llm_b / 1e6,
+                     drafters_b / 1e6, config.quantize)
         if config.compile:
             log.info("compiling the forward of the LLM and the drafters")
             compile_s = _with_threads(config.torch_threads,
