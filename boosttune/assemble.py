@@ -15,6 +15,7 @@ manifest lists, each on its own tree.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from transformers import PreTrainedModel
 from boosttune.core.device import resolve_device
 from boosttune.core.models import LoadedModel, load_llm_and_ssms
 from boosttune.core.rundir import SCHEDULER_FILE, ssm_name
-from boosttune.scheduler.policy import Scheduler
+from boosttune.scheduler.policy import Candidate, Scheduler
 from boosttune.serving.bundle import LoadedBundle, load_bundle
 from boosttune.serving.draft_vocab import ranking_for
 from boosttune.serving.drafter import Drafter, SSMDrafter
@@ -144,6 +145,46 @@ def compile_served(served: Served, batched: bool = False) -> float:
             r.compiled = None  # type: ignore[attr-defined]
         raise ValueError(f"--compile: torch.compile failed ({type(e).__name__}: {str(e)[:300]}); leave --compile "
                          "off, or install a C++ compiler (inductor builds the graphs with it)") from e
+
+
+CALIBRATION_PROMPTS = (
+    "Write a short poem about the sea at night.",
+    "Explain in a few sentences how a hash table finds a key.",
+    "List three differences between a virus and a bacterium, with an example of each.",
+)
+"""What ``recost_served`` times the served forward on (chat turns of several kinds, none from MT-bench)."""
+
+
+def recost_served(served: Served, prompts: Sequence[list[int]] | None = None, tokens: int = 16) -> float:
+    """Measure the scheduler's cost model again on the forward being served and take its fixed choice
+    again (``Scheduler.recosted``): after ``quantize_served`` or ``compile_served``, whose forward is not
+    the eager one the training run measured. ``prompts``: token ids to time on (default: the
+    ``CALIBRATION_PROMPTS`` through the LLM's chat template). Returns the seconds it took (0 without a
+    scheduler)."""
+    from boosttune.core.prompts import encode_prompt
+    from boosttune.scheduler.calibrate import served_costs
+
+    sched = served.scheduler
+    if sched is None:
+        return 0.0
+    start = time.perf_counter()
+    if prompts is None:
+        prompts = [encode_prompt(served.llm.tokenizer, text) for text in CALIBRATION_PROMPTS]
+    costs = served_costs(served.engine, sched.drafters, prompts, sched.widths, sched.costs.depths, tokens,
+                         sched.draft_vocab)
+    served.scheduler = sched.recosted(costs, round(sum(len(p) for p in prompts) / len(prompts)))
+    return time.perf_counter() - start
+
+
+def recost_note(served: Served, seconds: float) -> str:
+    """One line on what ``recost_served`` did, for logs."""
+    sched = served.scheduler
+    if sched is None:
+        return "no scheduler: nothing to measure again"
+    before = sched.meta.get("recosted", {}).get("fallback_before", {})
+    was = sched.plan(Candidate(before["mask"], before["depth"])).label if before else "?"
+    return (f"the scheduler's costs measured again on the served forward ({seconds:.1f} s): its fixed choice "
+            f"{was} -> {sched.plan(sched.fallback).label}")
 
 
 def ssm_names(n: int) -> list[str]:

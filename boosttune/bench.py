@@ -85,7 +85,10 @@ class BenchConfig:
         compile: compile the CPU forward of the LLM and the drafters (``serving/compiled.py``)
             before any method runs; baseline and ours then both run the compiled LLM.
         quantize: "int8" or "int4": the LLM's products with weight-only quantized weights
-            (``serving/quantize.py``) for baseline and ours alike; None keeps its dtype's weights.
+            (``serving/quantize.py``) for baseline and ours alike (and the drafters'); None keeps its
+            dtype's weights.
+        recost: time the learned scheduler's costs again on the forward being served and take its fixed
+            choice again (``assemble.recost_served``, ~15 s at start on the demo bundle).
     """
 
     questions: str
@@ -111,6 +114,7 @@ class BenchConfig:
     device: str = "auto"
     compile: bool = False
     quantize: str | None = None
+    recost: bool = False
 
     def __post_init__(self) -> None:
         if self.methods is None:
@@ -296,6 +300,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     if cfg.quantize:
         assemble.quantize_served(served.engine, cfg.quantize)
     compile_s = assemble.compile_served(served) if cfg.compile else None
+    recost_s = assemble.recost_served(served) if cfg.recost else None
     llm, ssms = served.llm, list(served.models.values())
     tok = llm.tokenizer
     eos = eos_token_ids(llm)
@@ -334,6 +339,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         llama = _llama_summary(cfg, servers, results, eos) if servers else None
     summary = summarize(results, cfg, served, llama, [p.category for p in prompts])
     summary["compile_s"] = None if compile_s is None else round(compile_s, 1)
+    summary["recost_s"] = None if recost_s is None else round(recost_s, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 

@@ -13,7 +13,8 @@ times the prompt length). ``verify`` interpolates the measured medians piecewise
 LLM's cost is far from linear in tree size on a CPU) and extrapolates with the mean slope. The
 empty subset is plain decoding: ``step = verify(0) + overhead0`` per token.
 
-``offline/calibrate.py`` measures it with the engine itself.
+``calibrate.py`` measures it with the engine itself (at training, and again at serve time on a forward
+other than the one it was measured on: ``Scheduler.recosted``).
 """
 
 from __future__ import annotations

@@ -336,6 +336,27 @@ class Scheduler:
         except ValueError as e:  # e.g. hidden states of another width: never fail the request
             return self.fallback_choice(f"features: {e}")
 
+    def recosted(self, costs: CostModel, prompt_tokens: int) -> Scheduler:
+        """This scheduler over ``costs`` measured on the forward being served (``calibrate.py``; another
+        machine, a quantized or compiled LLM): the same acceptance model, its fixed choice taken again as
+        the cheapest per token for the mean training request (the model's prediction at the training
+        features' mean, with ``prompt_tokens`` of prompt). The costs the scheduler was trained with rank
+        the choices for the forward they were measured on: over int8 products, where verifying 12 tokens
+        costs 2.8x a plain step against 1.4x in bf16, the trained choice ran at 0.78x plain decoding."""
+        if costs.n_ssms != self.n_ssms or tuple(costs.depths) != tuple(self.costs.depths):
+            raise ValueError(f"recosted: costs for {costs.n_ssms} drafters at depths {list(costs.depths)}, the scheduler "
+                             f"chooses among {self.n_ssms} at {list(self.costs.depths)}")
+        new = dataclasses.replace(self, costs=costs)
+        mean = monotone(self.model.predict(self.model.x_mean).reshape(len(all_masks(self.n_ssms)), self.label_depth),
+                        self.n_ssms)
+        tau, sec = seconds_per_token(mean, new.table, prompt_tokens, self.expected_new_tokens)
+        best = int(np.argmin(sec))
+        fallback = new.candidates[best]
+        was = {"mask": self.fallback.mask, "depth": self.fallback.depth}
+        meta = {**self.meta, "recosted": {"fallback_before": was, "fallback": {"mask": fallback.mask, "depth": fallback.depth},
+                                          "predicted_tau": float(tau[best]), "predicted_tokens_per_s": float(1.0 / sec[best])}}
+        return dataclasses.replace(new, fallback=fallback, meta=meta)
+
     def fallback_choice(self, reason: str) -> Choice:
         return dataclasses.replace(
             self._choice(self.fallback, float("nan"), float("nan")), fallback=True, reason=reason

@@ -408,3 +408,18 @@ def test_per_request_choice_is_served_only_where_the_features_carry_signal():
     body = checked.to_json()
     assert Scheduler.from_json(body).per_request is False
     assert Scheduler.from_json({k: v for k, v in body.items() if k != "per_request"}).per_request is True
+
+
+def test_recosted_takes_the_fixed_choice_again_on_the_served_forwards_costs(scheduler):
+    """The same acceptance model over other costs: cheap drafts and flat verification make drafting the
+    fixed choice; verification that grows steeply with the tree (int8 products) makes it plain decoding."""
+    cheap = dataclasses.replace(costs(draft0=(0.001, 0.001), draft1=(0.001, 0.001)))
+    drafting = scheduler.recosted(cheap, prompt_tokens=4)
+    assert drafting.fallback == Candidate(0b11, 2) and drafting.costs is cheap  # τ 7/3 for 0.026 s
+    assert drafting.meta["recosted"]["fallback_before"] == {"mask": 0, "depth": 0}
+    assert drafting.meta["recosted"]["predicted_tau"] == pytest.approx(7 / 3, abs=0.02)
+    assert drafting.choose(IDS, feats(1.0, 0.0)).ssm_indices == (0,)  # the per-request choice reads the new costs
+    steep = dataclasses.replace(cheap, verify_s=(0.020, 0.040, 0.060, 0.100))
+    assert drafting.recosted(steep, prompt_tokens=4).fallback == Candidate(0, 0)
+    with pytest.raises(ValueError, match="depths"):
+        scheduler.recosted(dataclasses.replace(cheap, depths=(1, 3)), prompt_tokens=4)

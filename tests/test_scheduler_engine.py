@@ -207,3 +207,27 @@ def test_feature_head_replay_needs_features_and_shallow_trees():
         drafter.replay([3, 4], [5, 6], TreeConfig(widths=(2,)))
     with pytest.raises(ValueError, match="two levels"):
         drafter.replay([3, 4], [5, 6], TreeConfig(widths=(2, 1, 1)), features=lambda: torch.zeros(3, 32))
+
+
+def test_recost_served_measures_the_served_engine_and_decodes_exactly(models):
+    """``assemble.recost_served``: the scheduler's costs timed again on the engine being served (a tree of
+    every drafter merged included), its fixed choice taken again, and that choice decodes exactly."""
+    from test_scheduler import SPEC, synthetic_records
+    from test_scheduler import costs as trained_costs
+
+    from boosttune.assemble import Served, recost_served
+    from boosttune.config import SchedulerConfig
+    from boosttune.scheduler.offline.train import fit_scheduler
+
+    llm, ssms = models[0], models[1][:2]
+    engine = engine_from_models(llm, ssms, TreeConfig(widths=(1, 1)))
+    cfg = SchedulerConfig(prompts="unused", depths=(1, 2), pca_components=4, ridge_alphas=(1e-3,), prompt_lookup=False)
+    sched = fit_scheduler(synthetic_records(), trained_costs(), SPEC, (1, 1), cfg)
+    served = Served(engine=engine, llm=None, models={}, scheduler=sched)  # type: ignore[arg-type]
+    assert recost_served(served, prompts=[[5, 9, 2, 7], [3, 3, 8]], tokens=6) > 0
+    new = served.scheduler
+    assert new is not sched and new.costs.depths == (1, 2) and new.fallback in new.candidates
+    assert new.costs.verify_nodes[0] == 0 and max(new.costs.verify_nodes) >= 2  # plain steps and merged trees
+    assert new.costs.verify_s != sched.costs.verify_s and "recosted" in new.meta
+    stop = StopCriteria(max_new_tokens=20)
+    assert served.generate([5, 9, 2], stop).tokens == incremental_generate(llm, [5, 9, 2], stop).tokens

@@ -135,6 +135,10 @@ QUANTIZE_HELP = ("serve the LLM and the drafters with weight-only int8 or int4 (
                  "CPU, fp32 or bf16): a step reads fewer bytes. Lossless with respect to the quantized LLM; its output "
                  "differs from the unquantized LLM's as a quantized model's does (default off)")
 """What ``--quantize`` says, in every command that decodes."""
+RECOST_HELP = ("time the bundle scheduler's costs again on the forward being served (e.g. with --quantize or --compile, "
+               "or on another machine than training's) and take its fixed choice again (~15 s at start); its "
+               "acceptance model is still the one learned on the training prompts (default off)")
+"""What ``--recost`` says, in every command that decodes."""
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -149,6 +153,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_device_arg(p)
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     p.add_argument("--quantize", choices=SCHEMES, default=None, help=QUANTIZE_HELP)
+    p.add_argument("--recost", action="store_true", help=RECOST_HELP)
     p.add_argument("--ssm-dtype", default=None, help="dtype of the SSMs (default: --dtype); the output depends only on the LLM's")
     p.add_argument("--tree", default=None, choices=sorted(TREE_POLICIES), help=f"tree policy (default {default.kind})")
     p.add_argument("--widths", type=tree_widths, default=None,
@@ -217,4 +222,6 @@ def assemble_from_args(args: argparse.Namespace) -> Served:
         assemble.quantize_served(served.engine, args.quantize)
     if args.compile:
         assemble.compile_served(served)
+    if args.recost:
+        assemble.recost_served(served)
     return served

@@ -118,8 +118,10 @@ class ServerConfig:
             (0: never); larger batches take plain steps (``serving/batch.py``, ``DRAFT_MAX_BATCH``).
         compile: compile the CPU forward of the LLM and the drafters (``serving/compiled.py``) at start;
             single requests' steps run it, batched steps of several requests the eager forward.
-        quantize: "int8" or "int4": serve the LLM with weight-only quantized weights
-            (``serving/quantize.py``); None keeps its dtype's weights.
+        quantize: "int8" or "int4": serve the LLM and the drafters with weight-only quantized weights
+            (``serving/quantize.py``); None keeps their dtype's weights.
+        recost: time the learned scheduler's costs again on the forward being served and take its fixed
+            choice again (``assemble.recost_served``, ~15 s at start on the demo bundle).
     """
 
     model_name: str | None = None
@@ -135,6 +137,7 @@ class ServerConfig:
     draft_max_batch: int = DRAFT_MAX_BATCH
     compile: bool = False
     quantize: str | None = None
+    recost: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < self.max_batch:
@@ -194,6 +197,9 @@ class _State:
             compile_s = _with_threads(config.torch_threads,
                                       lambda: assemble.compile_served(self.served, batched=config.max_batch > 1))
             log.info("compiled in %.1f s", compile_s)
+        if config.recost and self.served.scheduler is not None:
+            recost_s = _with_threads(config.torch_threads, lambda: assemble.recost_served(self.served))
+            log.info("%s", assemble.recost_note(self.served, recost_s))
         self.scheduler = self.served.scheduler
         if self.scheduler is not None:
             log.info("learned scheduler loaded from %s", bundle.scheduler_dir)

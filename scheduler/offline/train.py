@@ -41,10 +41,10 @@ from boosttune.core.files import MARKER, atomic_write_json, atomic_write_text, i
 from boosttune.core.models import LoadedModel, eos_token_ids, load_llm_and_ssms, load_ssms, parse_dtype
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.core.rundir import RunDir
+from boosttune.scheduler.calibrate import calibrate
 from boosttune.scheduler.costs import CostModel
 from boosttune.scheduler.features import FeatureSpec
 from boosttune.scheduler.model import MIN_FIT_REQUESTS, fit_linear
-from boosttune.scheduler.offline.calibrate import calibrate
 from boosttune.scheduler.offline.crossval import FoldReplay, Verdict, cross_validate, verdict
 from boosttune.scheduler.offline.evaluate import (
     best_of,

@@ -94,6 +94,24 @@ def calibrate(
     return _fit(samples, n, widths, depths)
 
 
+def served_costs(
+    engine: SpeculativeEngine, drafters: Sequence[str], prompts: Sequence[list[int]], widths: Sequence[int],
+    depths: Sequence[int], tokens: int, draft_vocab: int = 0,
+) -> CostModel:
+    """``calibrate`` on the engine as it serves now (a quantized or compiled forward), over ``drafters`` (by
+    name, in the scheduler's order), with one run per prompt of every drafter merged at the deepest depth
+    for the verification curve's large trees; a first run, not timed, pays for lazy initialisation."""
+    sub = SpeculativeEngine(engine.llm, {name: engine.drafters[name] for name in drafters}, Plan())
+    names = list(drafters)
+    lookup = names.index(LOOKUP_NAME) if LOOKUP_NAME in names else -1
+    trees = depth_trees([max(depths)] * len(names), widths, draft_vocab, lookup)
+    merged_plan = Plan({names[j]: tree for j, tree in trees.items()})
+    stop = StopCriteria(max_new_tokens=tokens)
+    sub.generate(prompts[0], stop, plan=merged_plan)
+    merged = [(sub.generate(ids, stop, plan=merged_plan, record=True), len(ids)) for ids in prompts]
+    return calibrate(sub, prompts, widths, depths, tokens, merged, draft_vocab)
+
+
 def _fit(samples: _Samples, n: int, widths: Sequence[int], depths: Sequence[int]) -> CostModel:
     """Medians of the samples, made monotone where cost must grow (deeper, larger trees)."""
     draft = []
