@@ -15,6 +15,9 @@ Usage:
     python scripts/bench_trees.py --ssm runs/hour/ssms/feature --draft-vocab 8192 --draft-ranking runs/hour \\
         --questions ../shared/data/mt_bench/question.jsonl --limit 10 w1=1 w3=3 w21=2,1 w3L=3:8 L=lookup:8 \\
         d4=dyn:3,2,4
+    python scripts/bench_trees.py --ssm runs/demo-bundle/ssms/feature --draft-vocab 8192 \
+        --draft-ranking runs/demo-bundle/draft_vocab.json --dtype bf16 --quantize int8 --compile \
+        --questions ../shared/data/mt_bench/question.jsonl --limit 20 L8=lookup:8 L4=lookup:4 w3=3 w3L4=3:4 w3L8=3:8
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ import sys
 
 import torch
 
-from boosttune.assemble import engine_from_models
+from boosttune.assemble import Served, compile_served, engine_from_models, quantize_served
 from boosttune.cli.flags import int_list
 from boosttune.core.models import dtype_name, eos_token_ids, load_llm_and_ssms, parse_dtype
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.serving.draft_vocab import ranking_for
+from boosttune.serving.quantize import SCHEMES
 from boosttune.serving.stops import StopCriteria
 from boosttune.serving.tree import TreeConfig
 
@@ -79,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--dtype", default="fp32", help="fp32 (default), bf16 or auto, for the LLM and (unless --ssm-dtype) the drafters")
     p.add_argument("--ssm-dtype", default=None, help="dtype of the drafters (default: --dtype)")
+    p.add_argument("--quantize", choices=SCHEMES, default=None, help="the LLM's and drafters' products quantized, as "
+                   "`boosttune bench --quantize` serves them (plain decoding too)")
+    p.add_argument("--compile", action="store_true", help="every engine's forward compiled, as `bench --compile`")
     args = p.parse_args(argv)
     try:
         shapes = [parse_shape(s) for s in args.shapes]
@@ -109,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     warm = StopCriteria(max_new_tokens=8, eos_token_ids=eos)
     # plain decoding through the LLM runner the engines verify with (``bench``'s baseline)
     plain = engine_from_models(llm.model, [], tree_of((), args.draft_vocab), ranking)
+    for engine in (plain, *engines.values()):  # each engine has runners of its own: each is quantized, compiled
+        if args.quantize:
+            quantize_served(engine, args.quantize)
+        if args.compile:
+            compile_served(Served(engine=engine, llm=llm, models={}))
     plain.generate(encoded[0], warm)  # first calls pay for lazy initialisation
     for engine in engines.values():
         engine.generate(encoded[0], warm)
@@ -132,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             same[name] += res.tokens == base.tokens
         print(f"question {i}/{len(encoded)} done", file=sys.stderr, flush=True)
     plain_tps = tokens["plain"] / seconds["plain"]
-    print(f"{len(encoded)} questions, {args.max_new_tokens} new tokens, LLM {dtype_name(dtype)}, drafters "
+    form = f"{' ' + args.quantize if args.quantize else ''}{', compiled' if args.compile else ''}"
+    print(f"{len(encoded)} questions, {args.max_new_tokens} new tokens, LLM {dtype_name(dtype)}{form}, drafters "
           f"{dtype_name(ssm_dtype)}: {', '.join(args.ssm) or 'none'}")
     print("| shape | tok/s | speed-up | τ | = plain | nodes | draft ms | verify ms |\n|---|---|---|---|---|---|---|---|")
     print(f"| plain | {plain_tps:.2f} | 1.00× | 1.00 | | 0 | 0 | {1e3 / plain_tps:.1f} per token |")

@@ -214,11 +214,12 @@ def _bench_trees():
     return load_script("bench_trees")
 
 
-def test_bench_trees_script_prints_every_shape_identical_to_plain(tiny_dirs, capsys):
+@pytest.mark.parametrize("quantize", [[], ["--quantize", "int8"]])
+def test_bench_trees_script_prints_every_shape_identical_to_plain(tiny_dirs, capsys, quantize):
     bench_trees = _bench_trees()
     rc = bench_trees.main([
         "--llm", str(tiny_dirs / "llm"), "--ssm", str(tiny_dirs / "ssm"), "--questions", str(MT_BENCH),
-        "--limit", "2", "--max-new-tokens", "10", "w1=1", "w21L=2,1:4", "L=lookup:4", "d=dyn:2,2,3",
+        "--limit", "2", "--max-new-tokens", "10", "w1=1", "w21L=2,1:4", "L=lookup:4", "d=dyn:2,2,3", *quantize,
     ])
     out = capsys.readouterr().out
     assert rc == 0
