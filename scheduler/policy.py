@@ -341,8 +341,9 @@ class Scheduler:
         machine, a quantized or compiled LLM): the same acceptance model, its fixed choice taken again as
         the cheapest per token for the mean training request (the model's prediction at the training
         features' mean, with ``prompt_tokens`` of prompt). The costs the scheduler was trained with rank
-        the choices for the forward they were measured on: over int8 products, where verifying 12 tokens
-        costs 2.8x a plain step against 1.4x in bf16, the trained choice ran at 0.78x plain decoding."""
+        the choices for the forward they were measured on: over compiled int8 products, where verifying 12
+        tokens cost 3.4x a plain step against 1.2x in bf16 (AMX Xeon), the trained choice ran at 0.81x plain
+        decoding, the recosted one at 0.97x (docs/measurements.md)."""
         if costs.n_ssms != self.n_ssms or tuple(costs.depths) != tuple(self.costs.depths):
             raise ValueError(f"recosted: costs for {costs.n_ssms} drafters at depths {list(costs.depths)}, the scheduler "
                              f"chooses among {self.n_ssms} at {list(self.costs.depths)}")
