@@ -236,8 +236,11 @@ class LeanRunner(ModelRunner):
             raise ValueError(f"--quantize {scheme}: the LLM's dtype must be fp32 or bf16, got {dtype}")
         weights = [[_weight(p) for p in self.products(i)] for i in range(len(self._qkv))]
         head = _weight(self._lm)
-        for w in [head, *(w for layer in weights for w in layer)]:
-            why = quantize_mod.shape_reason(w.shape[0], w.shape[1], scheme, group)
+        shapes = [w.shape for w in [head, *(w for layer in weights for w in layer)]]
+        if self.head_ids is not None:  # a cut head is quantized too, after the products
+            shapes.append(torch.Size((self.head_ids.numel(), head.shape[1])))
+        for shape in shapes:
+            why = quantize_mod.shape_reason(shape[0], shape[1], scheme, group)
             if why is not None:
                 raise ValueError(f"--quantize {scheme}: {why}; this LLM takes int8 or no --quantize")
         layers = [[quantize_mod.QuantLinear.from_weight(w, scheme, group) for w in layer] for layer in weights]
@@ -252,17 +255,18 @@ class LeanRunner(ModelRunner):
         return lm.nbytes + sum(p.nbytes for layer in layers for p in layer)
 
     def restrict_head(self, head_ids: Tensor | None) -> None:
-        """``ModelRunner.restrict_head``; a quantized runner's cut head is quantized the same way, and a
-        compiled forward is rebuilt for the new head (it compiles again at its first call: cut the head
-        before compiling, ``SSMDrafter.prepare``, to compile once)."""
+        """``ModelRunner.restrict_head``; a compiled forward is rebuilt for the new head (it compiles again at
+        its first call: cut the head before compiling, ``SSMDrafter.prepare``, to compile once)."""
         super().restrict_head(head_ids)
-        if self.quantized is not None and self._head is not None:
-            lm = self._lm
-            assert isinstance(lm, quantize_mod.QuantLinear)
-            self._head = quantize_mod.QuantLinear.from_weight(self._head.weight.detach(), lm.scheme, lm.group or
-                                                              quantize_mod.DEFAULT_GROUP)
         if self.compiled is not None:
             self.compiled = self.compiled.rebuilt(self)
+
+    def _head_product(self, rows: Tensor) -> Product:  # type: ignore[override]
+        """``ModelRunner._head_product``; a quantized runner's cut head is quantized as its whole one is."""
+        lm = self._lm
+        if isinstance(lm, quantize_mod.QuantLinear):
+            return quantize_mod.QuantLinear.from_weight(rows, lm.scheme, lm.group)
+        return super()._head_product(rows)
 
     def spawn(self, pool: KVPool | None = None) -> LeanRunner:
         """A runner of the same model and fused weights with an empty cache of its own (one per

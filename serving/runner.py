@@ -127,13 +127,17 @@ class ModelRunner:
         if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0]:
             raise ValueError(f"draft vocabulary ids must be non-empty and in [0, {weight.shape[0]})")
         self.head_ids = ids.to(weight.device)
-        rows = weight.detach()[self.head_ids].contiguous()  # (K, H)
-        self._head = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
-        self._head.weight = torch.nn.Parameter(rows, requires_grad=False)
-        if self.device.type == "cpu":
-            cpu_linear.install(self._head)
+        self._head = self._head_product(weight.detach()[self.head_ids].contiguous())
         self._vocab = weight.shape[0]
         self._body_cache_kw = cache_keyword(self.model.base_model.forward)
+
+    def _head_product(self, rows: Tensor) -> torch.nn.Linear:
+        """The product of the (K, H) ``rows`` of the LM head: a Linear of their own (oneDNN-packed on CPU)."""
+        head = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
+        head.weight = torch.nn.Parameter(rows, requires_grad=False)
+        if self.device.type == "cpu":
+            cpu_linear.install(head)
+        return head
 
     def set_taps(self, layers: Sequence[int]) -> None:
         """Make every hidden-state result (``chain_hidden``, ``forward_hidden``) also carry the inputs

@@ -192,6 +192,10 @@ def test_quantize_refuses_what_it_cannot_serve(monkeypatch):
     with pytest.raises(ValueError, match="takes int8"):
         odd.quantize("int4")
     assert odd.quantized is None  # nothing changed
+    cut = LeanRunner(llm, torch.arange(20))  # a cut head of 20 rows: int4 takes multiples of 16
+    with pytest.raises(ValueError, match="takes int8"):
+        cut.quantize("int4")
+    assert cut.quantized is None and not isinstance(cut._head, QuantLinear)
     monkeypatch.setenv("BOOSTTUNE_LEAN", "0")
     with pytest.raises(ValueError, match="leave --quantize off"):
         assemble.quantize_llm(engine_from_models(llm, [], TreeConfig(widths=(1,))), "int4")
