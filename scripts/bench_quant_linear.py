@@ -17,7 +17,9 @@ gate, up and down projections and the tied LM head) in these forms:
 - int4 weight-only: ``QuantLinear`` with groups of ``--group`` inputs (``--quantize int4`` uses 32),
   ``torch.ops.aten._weight_int4pack_mm_for_cpu``;
 - int8 weights and int8 inputs: each input row quantized on the fly with its own scale (so rows
-  stay independent of one another), ``torch._int_mm``, rescaled to bf16.
+  stay independent of one another), ``torch._int_mm``, rescaled to bf16;
+- w8a8: ``QuantLinear`` with int8 weights and int8 inputs per block of up to 256 (``--quantize w8a8``),
+  ``boosttune_native::w8a8_mm`` (AMX tiles, else VNNI) where it is built.
 
 For each row count R in 1, 2, 4, 8, 16, 32 it times all the products once (random bf16 inputs of R
 rows), forms interleaved rep by rep so that load from other jobs hits them alike, and prints a
@@ -42,7 +44,7 @@ from torch import Tensor
 
 from boosttune.core.models import load_model
 from boosttune.serving import cpu_linear
-from boosttune.serving.quantize import QuantLinear, int8_codes
+from boosttune.serving.quantize import QuantLinear, int8_codes, shape_reason
 
 SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -60,6 +62,9 @@ def forms(weights: list[Tensor], group: int) -> dict[str, list[Callable[[Tensor]
     packed = [cpu_linear.pack(w) for w in weights]
     q8 = [QuantLinear.from_weight(w, "int8") for w in weights]
     q4 = [QuantLinear.from_weight(w, "int4", group) for w in weights]
+    # w8a8 where every product takes it (in_features a multiple of 64)
+    w8a8 = [QuantLinear.from_weight(w, "w8a8") for w in weights] if not any(
+        shape_reason(*w.shape, "w8a8") for w in weights) else []
     rows8 = [(codes.t().contiguous().t(), scale) for codes, scale in map(int8_codes, weights)]  # (I, O) column-major views
     return {
         "bf16 packed": [lambda x, p=p: cpu_linear.packed_linear(x, p) for p in packed],
@@ -68,6 +73,7 @@ def forms(weights: list[Tensor], group: int) -> dict[str, list[Callable[[Tensor]
                                          for q in q8],
         f"int4 weights (group {group})": list(q4),
         "int8 weights and rows": [lambda x, q=q, s=s: int8_rows(x, q.t(), s) for q, s in rows8],
+        **({"w8a8": list(w8a8)} if w8a8 else {}),
     }
 
 

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="serve: torch threads of the engine")
     p.add_argument("--compile", action="store_true", help="serve --compile: the compiled CPU forward")
     # serving.quantize.SCHEMES, spelled out: this client imports no torch
-    p.add_argument("--quantize", choices=["int8", "int4"], default=None, help="serve --quantize: the LLM's weights quantized")
+    p.add_argument("--quantize", choices=["int8", "int4", "w8a8"], default=None, help="serve --quantize: the LLM's weights quantized")
     p.add_argument("--draft-max-batch", type=int, default=None, help="serve --draft-max-batch (0: plain steps only)")
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts")
     p.add_argument("--requests", type=int, default=16, help="requests per concurrency level")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""How far a weight-only quantized LLM (``--quantize int8|int4``) is from the LLM it was made from.
+"""How far a quantized LLM (``--quantize int8|int4|w8a8``) is from the LLM it was made from.
 
 Speculative decoding with ``--quantize`` is lossless with respect to the quantized LLM; this script
 states what the quantization itself changes, against the unquantized LLM in ``--dtype``:

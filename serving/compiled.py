@@ -58,7 +58,7 @@ from torch import Tensor
 
 from boosttune.serving import cpu_linear, native, quantize
 from boosttune.serving.lean import Feed, LeanRunner, Product, run_many
-from boosttune.serving.pooled import PooledStep, pooled_attention
+from boosttune.serving.pooled import PooledStep, pooled_attention, sdpa
 from boosttune.serving.quantize import QuantLinear
 
 _LIB = torch.library.Library("boosttune", "DEF")
@@ -146,11 +146,15 @@ class CompiledForward(torch.nn.Module):
         # product (one input per kind: each tensor input costs guards and arguments on every call)
         self._quant: tuple[str, int] | None = None  # (scheme, group)
         self._native_int8 = False  # int8 products on boosttune_native::int8_mm (quantize.native_int8)
+        self._native_w8a8 = False  # w8a8 products on boosttune_native::w8a8_mm (quantize.native_w8a8)
+        self._exact = runner.exact_attention  # attention in fp64 (pooled.sdpa), on the native op where built
+        self._exact_native = self._exact and native.available()
         if runner.quantized is not None:
             first = layers[0][0]
             assert isinstance(first, QuantLinear)
             self._quant = runner.quantized, first.group
             self._native_int8 = quantize.native_int8()  # decided here: the graph holds no call to decide it
+            self._native_w8a8 = quantize.native_w8a8()
             stacks = list(runner.quant_stacks)
             if isinstance(head, QuantLinear) and head is not runner.lm_product():  # a drafter's cut head
                 stacks[4] = head.packed[None], head.scales[None]
@@ -220,6 +224,8 @@ class CompiledForward(torch.nn.Module):
         flat = x.reshape(-1, x.shape[-1])  # (R, I)
         if scheme == "int8":
             out = quantize.int8_mm(flat, packed, scales, self._native_int8)
+        elif scheme == "w8a8":
+            out = quantize.w8a8_mm(flat, packed, scales, self._native_w8a8)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, group, scales)
         return out.view(*x.shape[:-1], out_features)
@@ -239,8 +245,7 @@ class CompiledForward(torch.nn.Module):
             keys[i].index_copy_(1, slots, k[0])
             values[i].index_copy_(1, slots, v[0])
             qg = q.reshape(1, g_n, (q_n // g_n) * t, c)  # heads folded per kv head, as lean.py folds them
-            att = F.scaled_dot_product_attention(qg, keys[i][None, :, :length], values[i][None, :, :length],
-                                                 attn_mask=mask, scale=self._scale)
+            att = sdpa(qg, keys[i][None, :, :length], values[i][None, :, :length], mask, self._scale, self._exact, self._exact_native)
             return att.reshape(1, q_n, t, c)
 
         return self._layers(x, cos, sin, norms, head_ids, attend)
@@ -249,7 +254,7 @@ class CompiledForward(torch.nn.Module):
                         writes: tuple[Tensor, Tensor], rows: tuple[Tensor, Tensor],
                         mask: Tensor, norms: Tensor, head_ids: Tensor | None) -> tuple[Tensor, Tensor]:
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return pooled_attention(keys[i], values[i], q, k, v, writes, rows, mask, self._scale)
+            return pooled_attention(keys[i], values[i], q, k, v, writes, rows, mask, self._scale, self._exact, self._exact_native)
 
         return self._layers(x, cos, sin, norms, head_ids, attend)
 

@@ -48,7 +48,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from boosttune.kernels.tree_attention import full_mask, tree_attention
 from boosttune.serving import cpu_linear
 from boosttune.serving import quantize as quantize_mod
-from boosttune.serving.pooled import KVPool, PooledStep, shared_pool
+from boosttune.serving.pooled import KVPool, PooledStep, sdpa, shared_pool
 from boosttune.serving.runner import ModelRunner
 
 ENV_VAR = "BOOSTTUNE_LEAN"
@@ -156,7 +156,9 @@ class LeanRunner(ModelRunner):
         self._o: list[Product] = [ly.self_attn.o_proj for ly in body.layers]
         self._down: list[Product] = [ly.mlp.down_proj for ly in body.layers]
         self._lm: Product = model.get_output_embeddings()
-        self.quantized: str | None = None  # "int8" / "int4" after ``quantize``
+        self.quantized: str | None = None  # "int8" / "int4" / "w8a8" after ``quantize``
+        # each row's attention computed alone (``pooled.sdpa``), bit for bit a plain step's: w8a8 in fp32
+        self.exact_attention = False
         # after ``quantize``: per kind of product (q/k/v, o, gate/up, down, LM head) every layer's quantized
         # weights and scales stacked along dim 0 (``quantize.stack``); the products are their slices
         self.quant_stacks: tuple[tuple[Tensor, Tensor], ...] = ()
@@ -250,6 +252,8 @@ class LeanRunner(ModelRunner):
         self._qkv, self._o, self._gate_up, self._down = kinds
         self._lm = lm
         self.quantized = scheme
+        # fp32 is where token identity is promised; in bf16 a compiled graph's fusions round rows apart anyway
+        self.exact_attention = scheme == "w8a8" and dtype == torch.float32
         if self.head_ids is not None:  # a drafter's head cut to a draft vocabulary: its rows quantized too
             self.restrict_head(self.head_ids)
         return lm.nbytes + sum(p.nbytes for layer in layers for p in layer)
@@ -374,9 +378,11 @@ def _mask(prefix_len: int, tree_mask: Tensor, s: int, rep: int) -> _Mask:
 
 
 def _attend_each(feeds: Sequence[tuple[LeanRunner, Feed]], spans: Sequence[tuple[int, int, int, int]],
-                 masks: Sequence[_Mask | None], i: int, q: Tensor, k: Tensor, v: Tensor, rep: int, scale: float) -> Tensor:
+                 masks: Sequence[_Mask | None], i: int, q: Tensor, k: Tensor, v: Tensor, rep: int, scale: float,
+                 exact: bool = False) -> Tensor:
     """Layer ``i``'s attention feed by feed, each over its runner's own cache: writes the fed (1, G, sum T, C)
-    keys ``k`` and values ``v`` and returns the (1, Q, sum T, C) output of the queries ``q``."""
+    keys ``k`` and values ``v`` and returns the (1, Q, sum T, C) output of the queries ``q`` (``exact``: in
+    fp64, as ``pooled.sdpa``)."""
     q_n, g_n, c = q.shape[1], k.shape[1], q.shape[3]
     outs = []
     for (runner, f), (a, b, s0, s), mask in zip(feeds, spans, masks, strict=True):
@@ -386,9 +392,11 @@ def _attend_each(feeds: Sequence[tuple[LeanRunner, Feed]], spans: Sequence[tuple
         values[:, s0:s] = v[0, :, a:b]
         if mask.raw is None:  # tree_attention_reference's computation, its mask made once per forward
             qg = q[:, :, a:b].reshape(1, g_n, rep * (b - a), c)  # (1, G, rep T, C)
-            att = F.scaled_dot_product_attention(qg, keys[None, :, :s], values[None, :, :s],
-                                                 attn_mask=mask.folded, scale=scale)
+            att = sdpa(qg, keys[None, :, :s], values[None, :, :s], mask.folded, scale, exact)
             outs.append(att.reshape(1, q_n, b - a, c))
+        elif exact:
+            outs.append(tree_attention(q[:, :, a:b].double(), keys[None, :, :s].double(), values[None, :, :s].double(),
+                                       f.prefix_len, mask.raw, scale).to(q.dtype))
         else:
             outs.append(tree_attention(q[:, :, a:b], keys[None, :, :s], values[None, :, :s], f.prefix_len,
                                        mask.raw, scale))  # (1, Q, T, C)
@@ -459,9 +467,9 @@ def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor | No
         v = qkv[..., (q_n + g_n) * c :].view(1, n, g_n, c).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if pooled is not None:
-            att = pooled.attend(i, q, k, v, first._scale)  # (1, Q, sum T, C)
+            att = pooled.attend(i, q, k, v, first._scale, first.exact_attention)  # (1, Q, sum T, C)
         else:
-            att = _attend_each(feeds, spans, masks, i, q, k, v, q_rep, first._scale)
+            att = _attend_each(feeds, spans, masks, i, q, k, v, q_rep, first._scale, first.exact_attention)
         x = x + first._o[i](att.transpose(1, 2).reshape(1, n, q_n * c))
         h = layer.post_attention_layernorm(x)
         gate, up = first._gate_up[i](h).chunk(2, dim=-1)

@@ -45,6 +45,8 @@ def available() -> bool:
         return False
     torch.library.register_fake("boosttune_native::linear")(_linear_shape)
     torch.library.register_fake("boosttune_native::int8_mm")(_int8_mm_shape)
+    torch.library.register_fake("boosttune_native::w8a8_mm")(_w8a8_mm_shape)
+    torch.library.register_fake("boosttune_native::attend_rows")(_sdpa_shape)
     return True
 
 
@@ -66,6 +68,14 @@ def _cpu_digest() -> str:
 
 def _int8_mm_shape(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _w8a8_mm_shape(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _sdpa_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
 def _linear_shape(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:

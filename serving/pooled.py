@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from boosttune.kernels.tree_attention import full_mask
+from boosttune.serving import native
 
 
 class LeanRunner(Protocol):
@@ -150,19 +151,43 @@ class PooledStep:
         return cls(pool, (torch.tensor(write_slot, device=dev), torch.tensor(write_pos, device=dev)),
                    (src.to(dev), torch.tensor(dst, device=dev)), mask.to(dev).repeat(1, rep, 1).unsqueeze(1))
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, exact: bool = False) -> Tensor:
         """Write the fed (1, G, N, C) keys ``k`` and values ``v`` into their slots of ``layer`` and attend
-        with the (1, Q, N, C) queries ``q``; returns (1, Q, N, C)."""
+        with the (1, Q, N, C) queries ``q`` (``exact``: as ``sdpa``'s); returns (1, Q, N, C)."""
         return pooled_attention(self.pool.keys[layer], self.pool.values[layer], q, k, v,
-                                (self.write_slot, self.write_pos), (self.src, self.dst), self.mask, scale)
+                                (self.write_slot, self.write_pos), (self.src, self.dst), self.mask, scale, exact)
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, exact: bool = False,
+         native_ok: bool | None = None) -> Tensor:
+    """``F.scaled_dot_product_attention``; ``exact``: each query row computed alone, bit for bit the same
+    whatever rows share the call (``boosttune_native::attend_rows``, or in fp64 where it is not built).
+
+    torch's attention sums a row in an order that depends on the other query rows fed with it and on where
+    its keys lie in the cache (a tree's nodes sit at scattered slots), so a tree's row and a plain step's
+    differ in the last bit. Weight-only products keep that a last-bit difference; w8a8's input quantizer
+    can turn it into other codes for a whole block, so the w8a8 LLM's output would depend on how its
+    tokens were fed (a prompt fed at once and token by token gave logits 2.7 apart on SmolLM2-135M in fp32).
+    ``attend_rows`` sums each row over its visible keys in the order of their positions, so every product's
+    input is what a plain step computes and fp32 speculation stays token-identical.
+    ``LeanRunner.quantize("w8a8")`` turns it on in fp32. ``native_ok``: whether the native ops are built,
+    passed where it must not be asked (a compiled graph); None asks."""
+    if not exact:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if native_ok is None:
+        native_ok = native.available()
+    if native_ok:
+        return torch.ops.boosttune_native.attend_rows(q, k, v, mask, scale)
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=scale).to(q.dtype)
 
 
 def pooled_attention(keys: Tensor, values: Tensor, q: Tensor, k: Tensor, v: Tensor, writes: tuple[Tensor, Tensor],
-                     rows: tuple[Tensor, Tensor], mask: Tensor, scale: float) -> Tensor:
+                     rows: tuple[Tensor, Tensor], mask: Tensor, scale: float, exact: bool = False,
+                     native_ok: bool | None = None) -> Tensor:
     """One layer's attention over a pool (``PooledStep``'s tensors; the compiled graph calls it too): writes
     the fed (1, G, N, C) keys ``k`` and values ``v`` into the layer's (R, G, K, C) ``keys``/``values`` and
     attends with the (1, Q, N, C) queries ``q``. Sizes come from tensors, so that a compiled graph keeps
-    them symbolic. Returns (1, Q, N, C)."""
+    them symbolic. ``exact``, ``native_ok``: as ``sdpa``'s. Returns (1, Q, N, C)."""
     write_slot, write_pos = writes
     src, dst = rows
     qn, g, c = q.shape[1], k.shape[1], q.shape[3]
@@ -171,8 +196,8 @@ def pooled_attention(keys: Tensor, values: Tensor, q: Tensor, k: Tensor, v: Tens
     keys[write_slot, :, write_pos] = k[0].transpose(0, 1)  # (N, G, C)
     values[write_slot, :, write_pos] = v[0].transpose(0, 1)
     qp = q[0].index_select(1, src).view(qn, width, tm, c).transpose(0, 1)  # (width, Q, Tm, C)
-    att = F.scaled_dot_product_attention(qp.reshape(width, g, rep * tm, c), keys[:width, :, :sm],
-                                         values[:width, :, :sm], attn_mask=mask, scale=scale)
+    att = sdpa(qp.reshape(width, g, rep * tm, c), keys[:width, :, :sm], values[:width, :, :sm], mask, scale, exact,
+               native_ok)
     att = att.reshape(width, qn, tm, c).transpose(0, 1).reshape(qn, width * tm, c)
     return att.index_select(1, dst).unsqueeze(0)
 

@@ -106,6 +106,56 @@ def test_int8_mm_refuses_what_it_cannot_multiply_and_quantize_falls_back() -> No
     assert quantize.native_int8() == bool(torch.ops.boosttune_native.int8_vectorised())
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [64, 576, 1536])
+def test_w8a8_mm_computes_the_reference_and_each_row_alone(dtype, in_features) -> None:
+    """int8 inputs per block (one block of 64; 3 of 192; 6 of 256), 37 outputs (a last block of one), 1 to
+    9 rows: what ``w8a8_reference`` computes from the same codes, near the unquantized product, and each
+    row bit for bit the same whatever rows share the call. A zero row gives zeros; an outlier coarsens
+    only its own block."""
+    if not torch.ops.boosttune_native.w8a8_vectorised():
+        pytest.skip("w8a8_mm is not vectorised on this CPU")
+    g = torch.Generator().manual_seed(4)
+    codes, scales = quantize.int8_codes(torch.randn(37, in_features, generator=g))
+    packed = (codes.to(torch.int16) + 128).to(torch.uint8)
+    x = torch.randn(9, in_features, generator=g)
+    x[2] = 0
+    x[4, 3] = 40.0  # an outlier in the first block of row 4
+    x = x.to(dtype)
+    block = quantize.w8a8_block(in_features)
+    ours = torch.ops.boosttune_native.w8a8_mm(x, packed, scales, block)
+    assert ours.shape == (9, 37) and ours.dtype == dtype
+    assert not ours[2].any()
+    ref = quantize.w8a8_reference(x, packed, scales)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours.float(), ref.float(), rtol=tol, atol=tol * float(ref.float().abs().max()))
+    exact = x.float() @ (codes.float() * scales[:, None]).T  # the inputs unquantized: ~1 % off
+    err = float((ours.float() - exact).norm() / exact.norm())
+    assert 1e-4 < err < 0.03
+    codes_x, xs = quantize.w8a8_codes(x, block)
+    if in_features > block:  # the outlier's scale is its block's alone
+        assert float(xs[4, 0]) > 10 * float(xs[4, 1])
+    for rows in range(1, 9):
+        for r in range(0, 9 - rows + 1, 3):
+            assert torch.equal(torch.ops.boosttune_native.w8a8_mm(x[r : r + rows], packed, scales, block),
+                               ours[r : r + rows])
+    assert torch.equal(quantize.w8a8_mm(x, packed, scales), ours)
+
+
+@needs_native
+def test_w8a8_mm_refuses_what_it_cannot_multiply() -> None:
+    codes, scales = quantize.int8_codes(torch.randn(8, 128))
+    packed = (codes.to(torch.int16) + 128).to(torch.uint8)
+    with pytest.raises(RuntimeError, match="uint8 weights"):
+        torch.ops.boosttune_native.w8a8_mm(torch.randn(2, 128), codes, scales, 128)
+    with pytest.raises(RuntimeError, match="the block must divide in_features"):
+        torch.ops.boosttune_native.w8a8_mm(torch.randn(2, 128), packed, scales, 96)
+    with pytest.raises(RuntimeError, match="fp32 scales"):
+        torch.ops.boosttune_native.w8a8_mm(torch.randn(2, 128), packed, scales.bfloat16(), 128)
+    assert quantize.native_w8a8() == bool(torch.ops.boosttune_native.w8a8_vectorised())
+
+
 def test_the_native_build_is_named_for_its_cpu() -> None:
     """A cache shared by machines with other CPUs must not load code built for another's instructions."""
     digest = native._cpu_digest()
@@ -117,3 +167,58 @@ def test_boosttune_native_0_turns_the_native_ops_off_and_says_so() -> None:
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "BOOSTTUNE_NATIVE": "0"},
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False BOOSTTUNE_NATIVE=0"
+
+
+@needs_native
+def test_w8a8_mm_on_the_vector_path_where_amx_is_kept_off() -> None:
+    """BOOSTTUNE_AMX=0: the vector path (VNNI, or int16 products) computes the same product, each row
+    alone, in a process of its own (the path is chosen once per process)."""
+    if torch.ops.boosttune_native.w8a8_isa() != "amx":
+        pytest.skip("no AMX here: the other w8a8 tests run the vector path already")
+    env = {**os.environ, "BOOSTTUNE_AMX": "0", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging",
+                          f"{__file__}::test_w8a8_mm_computes_the_reference_and_each_row_alone"],
+                         env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
+    assert out.returncode == 0, out.stdout[-2000:]
+    assert "6 passed" in out.stdout
+    code = "from boosttune.serving import native; native.available(); import torch; print(torch.ops.boosttune_native.w8a8_isa())"
+    isa = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert isa.strip() in ("vnni", "avx-int16")
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("c", [64, 8])
+def test_attend_rows_computes_attention_each_row_alone_over_its_visible_keys_in_order(dtype, c) -> None:
+    """softmax(scale q k^T) v as torch's attention (fp64) gives it; a row that sees no key gives zeros; and
+    a row's output is bit for bit the same fed alone, and with its visible keys moved to other slots among
+    masked ones (a tree's nodes sit at scattered slots; a plain step's keys are contiguous)."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 3, 5, c, generator=g).to(dtype)
+    k = torch.randn(2, 3, 40, c, generator=g).to(dtype)
+    v = torch.randn(2, 3, 40, c, generator=g).to(dtype)
+    mask = torch.rand(2, 1, 5, 40, generator=g) > 0.3
+    mask[0, 0, 1] = False
+    ours = torch.ops.boosttune_native.attend_rows(q, k, v, mask, 0.125)
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=0.125)
+    want[0, :, 1] = 0
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.double(), want, rtol=tol, atol=tol)
+    assert not ours[0, :, 1].any()
+    alone = torch.ops.boosttune_native.attend_rows(q[:, :, 3:4], k, v, mask[:, :, 3:4], 0.125)
+    assert torch.equal(alone, ours[:, :, 3:4])
+    # row 3's visible keys packed to the front of a cache of another length, nothing masked between them
+    vis = mask[1, 0, 3].nonzero().flatten()
+    packed_k = torch.zeros(1, 3, len(vis) + 7, c, dtype=dtype)
+    packed_v = torch.zeros_like(packed_k)
+    packed_k[0, :, : len(vis)], packed_v[0, :, : len(vis)] = k[1][:, vis], v[1][:, vis]
+    front = torch.zeros(1, 1, 1, len(vis) + 7, dtype=torch.bool)
+    front[..., : len(vis)] = True
+    moved = torch.ops.boosttune_native.attend_rows(q[1:2, :, 3:4], packed_k, packed_v, front, 0.125)
+    assert torch.equal(moved, ours[1:2, :, 3:4])
+    # a (M, L) mask and none at all
+    two = torch.ops.boosttune_native.attend_rows(q[:1], k[:1], v[:1], mask[0, 0], 0.125)
+    assert torch.equal(two, ours[:1])
+    full = torch.ops.boosttune_native.attend_rows(q, k, v, None, 0.125)
+    torch.testing.assert_close(full.double(), F.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=0.125),
+                               rtol=tol, atol=tol)

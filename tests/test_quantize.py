@@ -13,7 +13,7 @@ from conftest import perturbed, tiny_llama
 
 from boosttune import assemble
 from boosttune.assemble import engine_from_models
-from boosttune.serving import batch, lean
+from boosttune.serving import batch, lean, quantize
 from boosttune.serving.engine import Plan
 from boosttune.serving.lean import LeanRunner
 from boosttune.serving.quantize import QuantLinear, check_scheme, int4_codes, int8_codes, shape_reason
@@ -21,12 +21,19 @@ from boosttune.serving.runner import ModelRunner
 from boosttune.serving.stops import StopCriteria
 from boosttune.serving.tree import TreeConfig
 
-SCHEMES = ["int8", "int4"]
+SCHEMES = ["int8", "int4", "w8a8"]
+
+
+def _llm(seed: int, scheme: str, **kw):
+    """A tiny llama whose products w8a8 takes (in_features a multiple of 64) where the scheme is w8a8."""
+    return tiny_llama(seed, hidden=64 if scheme == "w8a8" else 32, **kw)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_quantized_product_multiplies_by_its_dequantized_weight(scheme, dtype):
+    """(w8a8 quantizes the inputs too: it computes ``w8a8_reference`` and is ~1 % off the dequantized
+    weight's product.)"""
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(48, 64, generator=g) * 0.1).to(dtype)
     layer = QuantLinear.from_weight(w, scheme, keep_reference=True)
@@ -36,6 +43,10 @@ def test_a_quantized_product_multiplies_by_its_dequantized_weight(scheme, dtype)
     assert y.shape == (2, 3, 48) and y.dtype == dtype
     want = x.float() @ layer.reference.T
     tol = 1e-4 if dtype == torch.float32 else 3e-2
+    if scheme == "w8a8":
+        ref = quantize.w8a8_reference(x.view(6, 64), layer.packed, layer.scales).view(2, 3, 48)
+        torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol * float(want.abs().max()))
+        tol = 3e-2
     torch.testing.assert_close(y.float(), want, rtol=tol, atol=tol * float(want.abs().max()))
     # the dequantized weight is near the original (int4 groups of 32: 16 levels a group)
     err = float((layer.reference - w.float()).norm() / w.float().norm())
@@ -48,8 +59,8 @@ def test_each_row_is_computed_from_its_own_input_alone(scheme):
     """A tree's rows round as plain steps' rows do: each output row, bit for bit, whatever rows share
     the product (bf16, as served)."""
     g = torch.Generator().manual_seed(1)
-    layer = QuantLinear.from_weight(torch.randn(64, 96, generator=g).to(torch.bfloat16), scheme)
-    x = torch.randn(12, 96, generator=g).to(torch.bfloat16)
+    layer = QuantLinear.from_weight(torch.randn(64, 128, generator=g).to(torch.bfloat16), scheme)
+    x = torch.randn(12, 128, generator=g).to(torch.bfloat16)
     both = layer(x)
     for r in (0, 5, 11):
         assert torch.equal(layer(x[r : r + 1])[0], both[r])
@@ -79,14 +90,31 @@ def test_bad_schemes_and_shapes_say_what_to_do():
         layer(torch.randn(1, 64).to(torch.bfloat16))
 
 
+class _W8A8Reference(torch.nn.Module):
+    """A Linear as w8a8 computes it, through ``quantize.w8a8_reference``."""
+
+    def __init__(self, q: QuantLinear) -> None:
+        super().__init__()
+        self.q = q
+
+    def forward(self, x):
+        flat = quantize.w8a8_reference(x.reshape(-1, self.q.in_features), self.q.packed, self.q.scales)
+        return flat.view(*x.shape[:-1], self.q.out_features)
+
+
 def _dequantized_model(llm, scheme: str):
-    """A copy of ``llm`` whose every Linear weight (the LM head too) is the dequantized one."""
+    """A copy of ``llm`` whose every Linear weight (the LM head too) is the dequantized one (w8a8: whose
+    every Linear is its reference product, inputs quantized too)."""
     ref = copy.deepcopy(llm)
     with torch.no_grad():
-        for m in ref.modules():
+        for name, m in list(ref.named_modules()):
             if isinstance(m, torch.nn.Linear):
                 q = QuantLinear.from_weight(m.weight, scheme, keep_reference=True)
-                m.weight = torch.nn.Parameter(q.reference.to(m.weight.dtype))
+                if scheme == "w8a8":
+                    parent, _, attr = name.rpartition(".")
+                    setattr(ref.get_submodule(parent) if parent else ref, attr, _W8A8Reference(q))
+                else:
+                    m.weight = torch.nn.Parameter(q.reference.to(m.weight.dtype))
     return ref
 
 
@@ -95,7 +123,7 @@ def _dequantized_model(llm, scheme: str):
 def test_every_product_of_the_llm_is_quantized(scheme):
     """The quantized runner computes the model with every weight (q/k/v, o, gate/up, down, LM head)
     replaced by its dequantized form; the unquantized model differs."""
-    llm = tiny_llama(3, layers=2)
+    llm = _llm(3, scheme, layers=2)
     runner = LeanRunner(llm)
     assert runner.quantize(scheme) > 0 and runner.quantized == scheme
     # the weights are held once, stacked per kind of product; each layer's product is a slice of its stack
@@ -124,7 +152,7 @@ def test_every_product_of_the_llm_is_quantized(scheme):
 def test_speculative_decoding_equals_the_quantized_llms_plain_decoding(scheme):
     """fp32 greedy: token-identical to the quantized LLM's own plain decoding, with drafts accepted
     (so the identity tests verification); one at a time and batched."""
-    llm = tiny_llama(0)
+    llm = _llm(0, scheme)
     engine = engine_from_models(llm, [perturbed(llm, 1, 0.3)], TreeConfig(widths=(2, 2, 1)))
     assemble.quantize_llm(engine, scheme)
     stop = StopCriteria(max_new_tokens=32)
@@ -156,7 +184,7 @@ def test_quantized_drafters_draft_over_their_cut_head_and_decoding_stays_lossles
     quantized LLM's own plain decoding, with drafts accepted."""
     from boosttune.serving.compiled import compile_runner
 
-    llm = tiny_llama(0)
+    llm = _llm(0, scheme)
     ranking = torch.randperm(64, generator=torch.Generator().manual_seed(6))
     engine = engine_from_models(llm, [perturbed(llm, 1, 0.2)], TreeConfig(widths=(2, 2, 1), draft_vocab=48),
                                 ranking=ranking)
@@ -205,7 +233,7 @@ def test_quantize_refuses_what_it_cannot_serve(monkeypatch):
 def test_a_compiled_quantized_forward_matches_the_eager_one(scheme):
     from boosttune.serving.compiled import compile_runner
 
-    llm = tiny_llama(5)
+    llm = _llm(5, scheme)
     eager, compiled = LeanRunner(llm), LeanRunner(llm)
     eager.quantize(scheme)
     compiled.quantize(scheme)
@@ -218,3 +246,54 @@ def test_a_compiled_quantized_forward_matches_the_eager_one(scheme):
             p = eager.cached_len
             args = (torch.tensor([[tok]]), torch.tensor([[p]]), p, torch.ones(1, 1, dtype=torch.bool))
             torch.testing.assert_close(compiled.forward(*args), eager.forward(*args), rtol=1e-4, atol=1e-4)
+
+
+def test_w8a8_without_the_native_kernel_stays_lossless(monkeypatch):
+    """Where the native kernel is not built, w8a8 runs on ``w8a8_reference`` in torch: still each row
+    alone, so speculative decoding equals that model's plain decoding (fp32 greedy)."""
+    monkeypatch.setattr(quantize, "native_w8a8", lambda: False)
+    llm = _llm(0, "w8a8")
+    engine = engine_from_models(llm, [perturbed(llm, 1, 0.3)], TreeConfig(widths=(2, 2, 1)))
+    assemble.quantize_llm(engine, "w8a8")
+    stop = StopCriteria(max_new_tokens=24)
+    hits = 0
+    for prompt in ([5, 9, 2], [7, 3, 3, 11, 20]):
+        res = engine.generate(prompt, stop)
+        assert res.tokens == engine.generate(prompt, stop, plan=Plan()).tokens
+        hits += sum(a - 1 for a in res.accept_lengths)
+    assert hits > 0
+
+
+@torch.inference_mode()
+def test_w8a8_in_fp32_computes_every_row_as_a_plain_step_does():
+    """A w8a8 runner in fp32 attends row by row (``exact_attention``): a prompt fed at once and fed token
+    by token give the same logits bit for bit, as does a tree's row and the plain step of its token; in
+    bf16 and with the other schemes attention stays torch's."""
+    llm = _llm(3, "w8a8", layers=2)
+    runner = LeanRunner(llm)
+    runner.quantize("w8a8")
+    assert runner.exact_attention
+    # 300 tokens: long enough that torch's attention rounds a prompt's rows and single steps apart
+    prompt = torch.randint(2, 64, (300,), generator=torch.Generator().manual_seed(0))
+    whole = runner.forward_chain(prompt)
+    runner.reset()
+    runner.forward_chain(prompt[:280])
+    steps = torch.cat([runner.forward_chain(prompt[i : i + 1]) for i in range(280, 300)])
+    assert torch.equal(whole[280:], steps)
+    runner.reset()  # a tree after 290 tokens: rows 1 and 2 are siblings, row 3 the child of row 2
+    runner.forward_chain(prompt[:290])
+    p = runner.cached_len
+    toks = torch.tensor([[int(prompt[290]), 1, int(prompt[291]), int(prompt[292])]])
+    pos = torch.tensor([[p, p + 1, p + 1, p + 2]])
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    tree = runner.forward(toks, pos, p, mask).reshape(4, -1)
+    assert torch.equal(tree[0], whole[290]) and torch.equal(tree[2], whole[291]) and torch.equal(tree[3], whole[292])
+    runner.exact_attention = False  # the test can fail: torch's attention rounds them apart
+    runner.reset()
+    runner.forward_chain(prompt[:280])
+    assert not torch.equal(whole[280:], torch.cat([runner.forward_chain(prompt[i : i + 1]) for i in range(280, 300)]))
+    bf16 = LeanRunner(_llm(3, "w8a8", layers=2).to(torch.bfloat16))
+    bf16.quantize("w8a8")
+    other = LeanRunner(llm)
+    other.quantize("int8")
+    assert not bf16.exact_attention and not other.exact_attention

@@ -131,9 +131,11 @@ COMPILE_HELP = ("compile the CPU forward of the LLM and the drafters with torch.
                 "the faster end) and needs a C++ compiler")
 """What ``--compile`` says, in every command that decodes."""
 
-QUANTIZE_HELP = ("serve the LLM and the drafters with weight-only int8 or int4 (groups of 32) weights (serving/quantize.py; "
-                 "CPU, fp32 or bf16): a step reads fewer bytes. Lossless with respect to the quantized LLM; its output "
-                 "differs from the unquantized LLM's as a quantized model's does (default off)")
+QUANTIZE_HELP = ("serve the LLM and the drafters with quantized weights (serving/quantize.py; CPU, fp32 or bf16): int8 "
+                 "or int4 (groups of 32) weights alone, or w8a8: int8 weights and inputs (a scale per block of up to 256 "
+                 "inputs; integer products on AMX or VNNI, so a tree costs little more than one token). A step reads "
+                 "fewer bytes. Lossless with respect to the quantized LLM; its output differs from the unquantized "
+                 "LLM's as a quantized model's does (default off)")
 """What ``--quantize`` says, in every command that decodes."""
 RECOST_HELP = ("time the bundle scheduler's costs again on the forward being served (e.g. with --quantize or --compile, "
                "or on another machine than training's) and take its fixed choice again (~15 s at start); its "
