@@ -80,7 +80,7 @@ class Served:
 
 
 def quantize_llm(engine: SpeculativeEngine, scheme: str) -> int:
-    """Serve ``engine``'s LLM with weight-only ``scheme`` ("int8", "int4" or "w8a8") products from now on
+    """Serve ``engine``'s LLM with quantized ``scheme`` ("int8", "int4" or "w8a8") products from now on
     (``serving/quantize.py``; plain decoding and verification alike, so decoding stays lossless with
     respect to the quantized LLM); before ``compile_served``, and before a batch spawns runners. Returns
     the bytes of the quantized weights. Raises ValueError naming ``--quantize`` where the LLM cannot be

@@ -201,7 +201,7 @@ class QuantLinear:
         if self.scheme == "int8":
             out = int8_mm(flat, self.packed, self.scales)
         elif self.scheme == "w8a8":
-            out = w8a8_mm(flat, self.packed, self.scales)
+            out = w8a8_mm(flat, self.packed, self.scales, block=self.group)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales)
         return out.view(*x.shape[:-1], self.out_features)  # (..., O)
@@ -261,14 +261,15 @@ def w8a8_reference(x: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
     return ((sums * xs[..., None]).sum(dim=1) * scales.float()).to(x.dtype)
 
 
-def w8a8_mm(x: Tensor, packed: Tensor, scales: Tensor, native_ok: bool | None = None) -> Tensor:
-    """(R, I) ``x`` quantized to int8 per block of ``w8a8_block(I)`` inputs, times the (O, I) weight codes
-    ``packed`` (uint8, code + 128) scaled per output by ``scales`` (O,) fp32: (R, O) in ``x``'s dtype. Each
-    row's output depends on that row alone. ``native_ok``: as ``int8_mm``'s."""
+def w8a8_mm(x: Tensor, packed: Tensor, scales: Tensor, native_ok: bool | None = None, block: int = 0) -> Tensor:
+    """(R, I) ``x`` quantized to int8 per block of ``w8a8_block(I)`` inputs (``block`` where the caller knows
+    it), times the (O, I) weight codes ``packed`` (uint8, code + 128) scaled per output by ``scales`` (O,)
+    fp32: (R, O) in ``x``'s dtype. Each row's output depends on that row alone. ``native_ok``: as
+    ``int8_mm``'s."""
     if native_ok is None:
         native_ok = native_w8a8()
     if native_ok:
-        return torch.ops.boosttune_native.w8a8_mm(x, packed, scales, w8a8_block(x.shape[1]))
+        return torch.ops.boosttune_native.w8a8_mm(x, packed, scales, block or w8a8_block(x.shape[1]))
     return w8a8_reference(x, packed, scales)
 
 

@@ -152,6 +152,35 @@ def test_sampling_keeps_the_llm_distribution(models):
     assert pv > 1e-3, f"chi-square p-value {pv:.2e}: sampled output does not follow the LLM"
 
 
+def w8a8_engine() -> SpeculativeEngine:
+    """The recipe: the LLM served w8a8 (``--quantize w8a8``: int8 weights and int8 inputs, so its products
+    take in_features of 64), two SSMs drafting one tree."""
+    from boosttune import assemble
+
+    llm = tiny_llama(11, vocab=VOCAB, hidden=64, init=0.3)
+    ssms = [perturbed(llm, 12, noise=0.8), perturbed(llm, 13, noise=1.2)]
+    eng = assemble.engine_from_models(llm, ssms, TreeConfig(widths=(2, 2), min_prob=0.15))
+    assemble.quantize_llm(eng, "w8a8")
+    return eng
+
+
+@torch.inference_mode()
+def test_sampling_keeps_the_w8a8_llms_distribution():
+    """Lossless with respect to the quantized LLM: the output follows the w8a8 LLM's own distribution,
+    computed by its plain forward."""
+    runner = w8a8_engine().llm
+    params = SamplingParams(**PARAMS)
+    runner.reset()
+    p1 = logits_to_probs(runner.forward_chain(torch.tensor(PROMPT))[-1:], params)[0]
+    exact = {}
+    for a in range(VOCAB):
+        runner.reset()
+        p2 = logits_to_probs(runner.forward_chain(torch.tensor([*PROMPT, a]))[-1:], params)[0]
+        exact.update({(a, b): float(p1[a] * p2[b]) for b in range(VOCAB)})
+    pv = pvalue(run_engine(w8a8_engine), exact)
+    assert pv > 1e-3, f"chi-square p-value {pv:.2e}: sampled output does not follow the w8a8 LLM"
+
+
 def eagle3_engine() -> SpeculativeEngine:
     """The recipe: an EAGLE-3 head over 4 of the 5 tokens (token 1 has q = 0), reading two layers'
     inputs (one of them twice), a tree of two levels."""
