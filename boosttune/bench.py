@@ -84,7 +84,7 @@ class BenchConfig:
             it (llama-server runs where its build runs).
         compile: compile the CPU forward of the LLM and the drafters (``serving/compiled.py``)
             before any method runs; baseline and ours then both run the compiled LLM.
-        quantize: "int8", "int4" or "w8a8": the LLM's products with weight-only quantized weights
+        quantize: "int8", "int4" or "w8a8": the LLM's products quantized
             (``serving/quantize.py``) for baseline and ours alike (and the drafters'); None keeps its
             dtype's weights.
         recost: time the learned scheduler's costs again on the forward being served and take its fixed

@@ -147,7 +147,7 @@ class CompiledForward(torch.nn.Module):
         self._quant: tuple[str, int] | None = None  # (scheme, group)
         self._native_int8 = False  # int8 products on boosttune_native::int8_mm (quantize.native_int8)
         self._native_w8a8 = False  # w8a8 products on boosttune_native::w8a8_mm (quantize.native_w8a8)
-        self._exact = runner.exact_attention  # attention in fp64 (pooled.sdpa), on the native op where built
+        self._exact = runner.exact_attention  # attention row by row (pooled.sdpa), on the native op where built
         self._exact_native = self._exact and native.available()
         if runner.quantized is not None:
             first = layers[0][0]

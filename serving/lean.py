@@ -381,8 +381,8 @@ def _attend_each(feeds: Sequence[tuple[LeanRunner, Feed]], spans: Sequence[tuple
                  masks: Sequence[_Mask | None], i: int, q: Tensor, k: Tensor, v: Tensor, rep: int, scale: float,
                  exact: bool = False) -> Tensor:
     """Layer ``i``'s attention feed by feed, each over its runner's own cache: writes the fed (1, G, sum T, C)
-    keys ``k`` and values ``v`` and returns the (1, Q, sum T, C) output of the queries ``q`` (``exact``: in
-    fp64, as ``pooled.sdpa``)."""
+    keys ``k`` and values ``v`` and returns the (1, Q, sum T, C) output of the queries ``q`` (``exact``: each
+    row alone, as ``pooled.sdpa``'s; a feed with rows that see no key attends in fp64)."""
     q_n, g_n, c = q.shape[1], k.shape[1], q.shape[3]
     outs = []
     for (runner, f), (a, b, s0, s), mask in zip(feeds, spans, masks, strict=True):

@@ -118,7 +118,7 @@ class ServerConfig:
             (0: never); larger batches take plain steps (``serving/batch.py``, ``DRAFT_MAX_BATCH``).
         compile: compile the CPU forward of the LLM and the drafters (``serving/compiled.py``) at start;
             single requests' steps run it, batched steps of several requests the eager forward.
-        quantize: "int8", "int4" or "w8a8": serve the LLM and the drafters with weight-only quantized weights
+        quantize: "int8", "int4" or "w8a8": serve the LLM and the drafters quantized
             (``serving/quantize.py``); None keeps their dtype's weights.
         recost: time the learned scheduler's costs again on the forward being served and take its fixed
             choice again (``assemble.recost_served``, ~15 s at start on the demo bundle).
