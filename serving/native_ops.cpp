@@ -168,13 +168,35 @@ void int8_block(const T* x, int64_t in, const int8_t* w, int64_t outs, float* su
 
 bool int8_vectorised() { return VECTORISED; }
 
+template <typename W, typename F>
+void on_full_block(const W* w, int64_t outs, int64_t in, W zero, F&& f) {
+  // f(weights of OB outputs): a block of fewer outputs (the last one) runs on a copy padded with code 0
+  if (outs == OB) return f(w);
+  std::vector<W> padded(OB * in, zero);
+  std::copy(w, w + outs * in, padded.begin());
+  f(padded.data());
+}
+
+template <typename F>
+void with_rows(int64_t m, F&& f) {
+  // f(std::integral_constant<int64_t, m>): one instantiation per row count of a row block
+  switch (m) {
+    case 1: f(std::integral_constant<int64_t, 1>{}); break;
+    case 2: f(std::integral_constant<int64_t, 2>{}); break;
+#if defined(__AVX512F__)
+    case 3: f(std::integral_constant<int64_t, 3>{}); break;
+    case 4: f(std::integral_constant<int64_t, 4>{}); break;
+    case 5: f(std::integral_constant<int64_t, 5>{}); break;
+    case 6: f(std::integral_constant<int64_t, 6>{}); break;
+    case 7: f(std::integral_constant<int64_t, 7>{}); break;
+    case 8: f(std::integral_constant<int64_t, 8>{}); break;
+#endif
+  }
+}
+
 template <int64_t ROWS, typename T>
 void int8_rows(const T* x, int64_t in, const int8_t* w, int64_t outs, float* sums) {
-  // a block of fewer than OB outputs (the last one) runs on a zero-padded copy of its weights
-  if (outs == OB) return int8_block<ROWS>(x, in, w, OB, sums);
-  std::vector<int8_t> padded(OB * in, 0);
-  std::copy(w, w + outs * in, padded.begin());
-  int8_block<ROWS>(x, in, padded.data(), outs, sums);
+  on_full_block<int8_t>(w, outs, in, 0, [&](const int8_t* b) { int8_block<ROWS>(x, in, b, outs, sums); });
 }
 
 template <typename T, typename S>
@@ -188,18 +210,7 @@ void int8_kernel(const T* xp, const int8_t* wp, const S* sp, S* op, int64_t rows
       for (int64_t r0 = 0; r0 < rows; r0 += RB) {
         const int64_t m = std::min(RB, rows - r0);
         const T* xr = xp + r0 * in;
-        switch (m) {  // one instantiation per row count
-          case 1: int8_rows<1>(xr, in, wb, n, sums); break;
-          case 2: int8_rows<2>(xr, in, wb, n, sums); break;
-#if defined(__AVX512F__)
-          case 3: int8_rows<3>(xr, in, wb, n, sums); break;
-          case 4: int8_rows<4>(xr, in, wb, n, sums); break;
-          case 5: int8_rows<5>(xr, in, wb, n, sums); break;
-          case 6: int8_rows<6>(xr, in, wb, n, sums); break;
-          case 7: int8_rows<7>(xr, in, wb, n, sums); break;
-          case 8: int8_rows<8>(xr, in, wb, n, sums); break;
-#endif
-        }
+        with_rows(m, [&](auto rows) { int8_rows<rows.value>(xr, in, wb, n, sums); });
         for (int64_t r = 0; r < m; ++r)  // rounded once, to S (round to nearest even for bf16)
           for (int64_t o = 0; o < n; ++o)
             op[(r0 + r) * outs + o0 + o] = static_cast<S>(sums[r * OB + o] * static_cast<float>(sp[o0 + o]));
@@ -387,10 +398,7 @@ void w8a8_block(const int8_t* xq, const float* xs, int64_t in, int64_t block, co
 template <int64_t ROWS>
 void w8a8_rows(const int8_t* xq, const float* xs, int64_t in, int64_t block, const uint8_t* w, int64_t outs,
                float* sums) {
-  if (outs == OB) return w8a8_block<ROWS>(xq, xs, in, block, w, sums);
-  std::vector<uint8_t> padded(OB * in, 128);  // code 0
-  std::copy(w, w + outs * in, padded.begin());
-  w8a8_block<ROWS>(xq, xs, in, block, padded.data(), sums);
+  on_full_block<uint8_t>(w, outs, in, 128, [&](const uint8_t* b) { w8a8_block<ROWS>(xq, xs, in, block, b, sums); });
 }
 
 template <typename S>
@@ -406,18 +414,7 @@ void w8a8_kernel(const int8_t* xq, const float* xs, const float* offsets, const 
         const int64_t m = std::min(RB, rows - r0);
         const int8_t* xr = xq + r0 * in;
         const float* sr = xs + r0 * nb;
-        switch (m) {
-          case 1: w8a8_rows<1>(xr, sr, in, block, wb, n, sums); break;
-          case 2: w8a8_rows<2>(xr, sr, in, block, wb, n, sums); break;
-#if defined(__AVX512F__)
-          case 3: w8a8_rows<3>(xr, sr, in, block, wb, n, sums); break;
-          case 4: w8a8_rows<4>(xr, sr, in, block, wb, n, sums); break;
-          case 5: w8a8_rows<5>(xr, sr, in, block, wb, n, sums); break;
-          case 6: w8a8_rows<6>(xr, sr, in, block, wb, n, sums); break;
-          case 7: w8a8_rows<7>(xr, sr, in, block, wb, n, sums); break;
-          case 8: w8a8_rows<8>(xr, sr, in, block, wb, n, sums); break;
-#endif
-        }
+        with_rows(m, [&](auto rows) { w8a8_rows<rows.value>(xr, sr, in, block, wb, n, sums); });
         for (int64_t r = 0; r < m; ++r)
           for (int64_t o = 0; o < n; ++o)
             op[(r0 + r) * outs + o0 + o] = static_cast<S>((sums[r * OB + o] - offsets[r0 + r]) * sp[o0 + o]);

@@ -177,12 +177,12 @@ class QuantLinear:
             raise ValueError(f"--quantize {scheme}: the weights must be fp32 or bf16 on the CPU, got "
                              f"{weight.dtype} on {weight.device}")
         dtype = weight.dtype
-        if scheme in ("int8", "w8a8"):
+        if scheme != "int4":
             codes, scale = int8_codes(weight)
             ref = codes.float() * scale[:, None] if keep_reference else None
             if scheme == "int8":
                 return cls("int8", o, i, dtype, 0, codes, scale.to(dtype), ref)
-            # the native kernel multiplies unsigned by signed bytes: the weights are held as code + 128
+            # w8a8: the native kernel multiplies unsigned by signed bytes, so the weights are held as code + 128
             return cls("w8a8", o, i, dtype, w8a8_block(i), (codes.to(torch.int16) + 128).to(torch.uint8), scale, ref)
         codes4, scale4, lo = int4_codes(weight, group)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes4, 2)
