@@ -148,7 +148,7 @@ class CompiledForward(torch.nn.Module):
         self._native_int8 = False  # int8 products on boosttune_native::int8_mm (quantize.native_int8)
         self._native_w8a8 = False  # w8a8 products on boosttune_native::w8a8_mm (quantize.native_w8a8)
         self._exact = runner.exact_attention  # attention row by row (pooled.sdpa), on the native op where built
-        self._exact_native = self._exact and native.available()
+        self._native_attend = native.available()  # asked here: a compiled graph must not ask
         if runner.quantized is not None:
             first = layers[0][0]
             assert isinstance(first, QuantLinear)
@@ -245,7 +245,7 @@ class CompiledForward(torch.nn.Module):
             keys[i].index_copy_(1, slots, k[0])
             values[i].index_copy_(1, slots, v[0])
             qg = q.reshape(1, g_n, (q_n // g_n) * t, c)  # heads folded per kv head, as lean.py folds them
-            att = sdpa(qg, keys[i][None, :, :length], values[i][None, :, :length], mask, self._scale, self._exact, self._exact_native)
+            att = sdpa(qg, keys[i][None, :, :length], values[i][None, :, :length], mask, self._scale, self._exact, self._native_attend)
             return att.reshape(1, q_n, t, c)
 
         return self._layers(x, cos, sin, norms, head_ids, attend)
@@ -254,7 +254,7 @@ class CompiledForward(torch.nn.Module):
                         writes: tuple[Tensor, Tensor], rows: tuple[Tensor, Tensor],
                         mask: Tensor, norms: Tensor, head_ids: Tensor | None) -> tuple[Tensor, Tensor]:
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return pooled_attention(keys[i], values[i], q, k, v, writes, rows, mask, self._scale, self._exact, self._exact_native)
+            return pooled_attention(keys[i], values[i], q, k, v, writes, rows, mask, self._scale, self._exact, self._native_attend)
 
         return self._layers(x, cos, sin, norms, head_ids, attend)
 

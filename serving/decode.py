@@ -14,7 +14,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from boosttune.serving.engine import GenerationResult, TokenCallback
 from boosttune.serving.runner import cache_keyword
-from boosttune.serving.sampling import SamplingParams, logits_to_probs, sample
+from boosttune.serving.sampling import SamplingParams, greedy_tokens, logits_to_probs, sample
 from boosttune.serving.stops import StopCriteria
 
 
@@ -38,7 +38,7 @@ def incremental_generate(
     while finish is None:
         logits = model(input_ids=ids, use_cache=True, **{cache_kw: cache}).logits[0, -1:].float()  # (1, V)
         if sampling.greedy:
-            tok = int(logits.argmax(-1))
+            tok = int(greedy_tokens(logits)[0])
         else:
             tok = int(sample(logits_to_probs(logits, sampling), gen)[0])
         new, finish = stop.cut(generated, [tok])

@@ -47,6 +47,7 @@ def available() -> bool:
     torch.library.register_fake("boosttune_native::int8_mm")(_int8_mm_shape)
     torch.library.register_fake("boosttune_native::w8a8_mm")(_w8a8_mm_shape)
     torch.library.register_fake("boosttune_native::attend_rows")(_sdpa_shape)
+    torch.library.register_fake("boosttune_native::attend")(_sdpa_shape)
     return True
 
 

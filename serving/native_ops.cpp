@@ -15,8 +15,10 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <mutex>
@@ -492,33 +494,40 @@ template <typename S>
 void w8a8_amx(const int8_t* xq, const float* xs, const float* offsets, const uint8_t* wp, const float* sp, S* op,
               int64_t rows, int64_t in, int64_t outs, int64_t block) {
   const int64_t nb = in / block, chunks = in / 64, per_block = block / 64;
-  const int64_t groups = (outs + AMX_OUTS - 1) / AMX_OUTS;
-  for (int64_t r0 = 0; r0 < rows; r0 += AMX_ROWS) {
-    const int64_t m = std::min(AMX_ROWS, rows - r0);
-    // the inputs as tiles: per chunk of 64 inputs, 16 groups of 4 for each of 16 rows (rows past m are 0)
-    std::vector<int32_t> xt(chunks * 16 * AMX_ROWS, 0);
-    const int32_t* x4 = reinterpret_cast<const int32_t*>(xq);
-    for (int64_t n = 0; n < m; ++n)
-      for (int64_t k = 0; k < in / 4; ++k) xt[(k / 16) * 256 + (k % 16) * 16 + n] = x4[(r0 + n) * (in / 4) + k];
-    std::vector<float> st(nb * AMX_ROWS, 0.f);  // block scales, rows along the vector
-    for (int64_t n = 0; n < m; ++n)
-      for (int64_t b = 0; b < nb; ++b) st[b * AMX_ROWS + n] = xs[(r0 + n) * nb + b];
-    at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-      TileConfig cfg;
-      for (int t = 0; t < 5; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-      _tile_loadconfig(&cfg);
-      alignas(64) int32_t sums[AMX_OUTS][16];
-      alignas(64) float acc[AMX_OUTS][16];
-      std::vector<uint8_t> padded;
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t o0 = g * AMX_OUTS, n_out = std::min(AMX_OUTS, outs - o0);
-        const uint8_t* w = wp + o0 * in;
-        if (n_out < AMX_OUTS) {  // the last group: a copy padded with code 0
-          padded.assign(AMX_OUTS * in, 128);
-          std::copy(w, w + n_out * in, padded.begin());
-          w = padded.data();
-        }
-        const uint8_t* ahead = g + 1 < end && o0 + 2 * AMX_OUTS <= outs ? wp + (o0 + AMX_OUTS) * in : nullptr;
+  const int64_t groups = (outs + AMX_OUTS - 1) / AMX_OUTS, passes = (rows + AMX_ROWS - 1) / AMX_ROWS;
+  // the inputs as tiles, per pass of 16 rows: per chunk of 64 inputs, 16 groups of 4 for each of 16 rows
+  // (rows past the last are 0); and the block scales, rows along the vector
+  std::vector<int32_t> xt(passes * chunks * 256, 0);
+  std::vector<float> st(passes * nb * AMX_ROWS, 0.f);
+  const int32_t* x4 = reinterpret_cast<const int32_t*>(xq);
+  for (int64_t r = 0; r < rows; ++r) {
+    int32_t* tiles = xt.data() + (r / AMX_ROWS) * chunks * 256;
+    const int64_t n = r % AMX_ROWS;
+    for (int64_t k = 0; k < in / 4; ++k) tiles[(k / 16) * 256 + (k % 16) * 16 + n] = x4[r * (in / 4) + k];
+    for (int64_t b = 0; b < nb; ++b) st[((r / AMX_ROWS) * nb + b) * AMX_ROWS + n] = xs[r * nb + b];
+  }
+  // a group's weights (32 outputs x in: 48 KB for 1,536 inputs) stay in the core's cache while every pass
+  // of rows goes over them: a prompt's 512 rows read the weights from memory once, not once per 16 rows
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    TileConfig cfg;
+    for (int t = 0; t < 5; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+    alignas(64) int32_t sums[AMX_OUTS][16];
+    alignas(64) float acc[AMX_OUTS][16];
+    std::vector<uint8_t> padded;
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t o0 = g * AMX_OUTS, n_out = std::min(AMX_OUTS, outs - o0);
+      const uint8_t* w = wp + o0 * in;
+      if (n_out < AMX_OUTS) {  // the last group: a copy padded with code 0
+        padded.assign(AMX_OUTS * in, 128);
+        std::copy(w, w + n_out * in, padded.begin());
+        w = padded.data();
+      }
+      const uint8_t* next = g + 1 < end && o0 + 2 * AMX_OUTS <= outs ? wp + (o0 + AMX_OUTS) * in : nullptr;
+      for (int64_t pass = 0; pass < passes; ++pass) {
+        const int64_t r0 = pass * AMX_ROWS, m = std::min(AMX_ROWS, rows - r0);
+        const int32_t* tiles = xt.data() + pass * chunks * 256;
+        const uint8_t* ahead = pass + 1 == passes ? next : nullptr;  // fetched during the group's last pass
         for (int64_t o = 0; o < AMX_OUTS; ++o) _mm512_store_ps(acc[o], _mm512_setzero_ps());
         for (int64_t b = 0; b < nb; ++b) {
           _tile_zero(0);
@@ -528,22 +537,22 @@ void w8a8_amx(const int8_t* xq, const float* xs, const float* offsets, const uin
               for (int64_t o = 0; o < AMX_OUTS; ++o) __builtin_prefetch(ahead + o * in + c * 64, 0, 2);
             _tile_loadd(2, w + c * 64, in);
             _tile_loadd(3, w + 16 * in + c * 64, in);
-            _tile_loadd(4, xt.data() + c * 256, 64);
+            _tile_loadd(4, tiles + c * 256, 64);
             _tile_dpbusd(0, 2, 4);
             _tile_dpbusd(1, 3, 4);
           }
           _tile_stored(0, sums[0], 64);
           _tile_stored(1, sums[16], 64);
-          const __m512 a = _mm512_loadu_ps(st.data() + b * AMX_ROWS);
+          const __m512 a = _mm512_loadu_ps(st.data() + (pass * nb + b) * AMX_ROWS);
           for (int64_t o = 0; o < AMX_OUTS; ++o)
             _mm512_store_ps(acc[o], _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[o])), a,
                                                     _mm512_load_ps(acc[o])));
         }
         write_rows(acc, offsets + r0, sp + o0, op + r0 * outs + o0, m, n_out, outs);
       }
-      _tile_release();
-    });
-  }
+    }
+    _tile_release();
+  });
 }
 #endif
 
@@ -634,99 +643,138 @@ inline __m512 vexp(__m512 x) {
 }
 #endif
 
-template <typename T>
-void attend_row(const T* q, const T* k, const T* v, int64_t key_stride, const bool* visible, int64_t keys,
-                int64_t c, float scale, T* out, std::vector<float>& qf, std::vector<float>& sc,
-                std::vector<int64_t>& idx, std::vector<float>& acc) {
-  qf.resize(c);
-  for (int64_t i = 0; i < c; ++i) qf[i] = static_cast<float>(q[i]);
-  sc.clear();
-  idx.clear();
-  for (int64_t l = 0; l < keys; ++l) {
-    if (visible != nullptr && !visible[l]) continue;
-    const T* kr = k + l * key_stride;
-    float dot;
 #if defined(__AVX512F__)
-    if (c % 32 == 0) {  // two chains of products, added at the end: a fixed order, half the latency
-      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-      for (int64_t i = 0; i < c; i += 32) {
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qf.data() + i), vload(kr + i), a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qf.data() + i + 16), vload(kr + i + 16), a1);
-      }
-      dot = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-    } else if (c % 16 == 0) {
-      __m512 a = _mm512_setzero_ps();
-      for (int64_t i = 0; i < c; i += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qf.data() + i), vload(kr + i), a);
-      dot = _mm512_reduce_add_ps(a);
-    } else
+// The lane sums of 16 vectors: lane j of the result is v[j]'s sum, by the same tree of additions for every
+// j (within each 128-bit lane (e0 + e2) + (e1 + e3), then (L0 + L1) + (L2 + L3)), so a key's dot does not
+// depend on which keys share its chunk. Four levels of shuffles and adds for 16 sums, where
+// _mm512_reduce_add_ps per vector took four each.
+inline __m512 lane_sums(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's sums of v[4i] .. v[4i + 3]
+    u[i] = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]))));
+  constexpr int even = 0 | (2 << 2) | (0 << 4) | (2 << 6), odd = 1 | (3 << 2) | (1 << 4) | (3 << 6);
+  for (int i = 0; i < 2; ++i)  // lanes L0 + L1 and L2 + L3 of u[2i], then of u[2i + 1]
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], even),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], odd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], even), _mm512_shuffle_f32x4(w[0], w[1], odd));
+}
 #endif
-    {
-      dot = 0.f;
-      for (int64_t i = 0; i < c; ++i) dot += qf[i] * static_cast<float>(kr[i]);
-    }
-    sc.push_back(dot * scale);
-    idx.push_back(l);
-  }
-  const int64_t n = static_cast<int64_t>(sc.size());
+
+// Rows of one (b, g) that see the same keys (a token's query heads, which share its kv head), attended
+// together: each key and value is read once for all of them, and each row is computed by the same operations
+// as alone (a set of one), so its output does not depend on which rows share its set.
+constexpr int kMaxSet = 4;
+
+struct AttendScratch {
+  std::vector<float> qf, sc;
+  std::vector<int64_t> idx;
+};
+
+template <int nq, typename T>
+void attend_set(const T* const* q, const T* k, const T* v, int64_t key_stride, const bool* visible,
+                int64_t keys, int64_t c, float scale, T* const* out, AttendScratch& s) {
+  s.qf.resize(nq * c);
+  for (int r = 0; r < nq; ++r)
+    for (int64_t i = 0; i < c; ++i) s.qf[r * c + i] = static_cast<float>(q[r][i]);
+  s.idx.clear();
+  for (int64_t l = 0; l < keys; ++l)
+    if (visible == nullptr || visible[l]) s.idx.push_back(l);
+  const int64_t n = static_cast<int64_t>(s.idx.size()), np = (n + 15) / 16 * 16;
   if (n == 0) {
-    for (int64_t i = 0; i < c; ++i) out[i] = static_cast<T>(0.f);
+    for (int r = 0; r < nq; ++r)
+      for (int64_t i = 0; i < c; ++i) out[r][i] = static_cast<T>(0.f);
     return;
   }
-  const float mx = *std::max_element(sc.begin(), sc.end());
-  float sum;
+  s.sc.assign(nq * np, -std::numeric_limits<float>::infinity());  // row r's scores at r * np; padding: e = 0
+  float* sc = s.sc.data();
+  const float* qf = s.qf.data();
+  const int64_t* idx = s.idx.data();
+  int64_t done = 0;
 #if defined(__AVX512F__)
-  {
-    sc.resize((n + 15) / 16 * 16, -std::numeric_limits<float>::infinity());  // padding: e = 0
+  if (c % 16 == 0) {  // 16 keys at a time: per key and row one chain of products over the C inputs, then lane_sums
+    __m512 parts[nq][16];
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (; done < n; done += 16) {
+      const int64_t n16 = std::min<int64_t>(16, n - done);
+      for (int64_t j = 0; j < 16; ++j) {
+        __m512 a[nq];
+        for (int r = 0; r < nq; ++r) a[r] = _mm512_setzero_ps();
+        if (j < n16) {
+          const T* kr = k + idx[done + j] * key_stride;
+          for (int64_t i = 0; i < c; i += 16) {
+            const __m512 kv = vload(kr + i);
+            for (int r = 0; r < nq; ++r) a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + r * c + i), kv, a[r]);
+          }
+        }
+        for (int r = 0; r < nq; ++r) parts[r][j] = a[r];
+      }
+      for (int r = 0; r < nq; ++r)
+        _mm512_mask_storeu_ps(sc + r * np + done, static_cast<__mmask16>((1u << n16) - 1u),
+                              _mm512_mul_ps(lane_sums(parts[r]), sv));
+    }
+  }
+#endif
+  for (; done < n; ++done)
+    for (int r = 0; r < nq; ++r) {
+      const T* kr = k + idx[done] * key_stride;
+      float dot = 0.f;
+      for (int64_t i = 0; i < c; ++i) dot += qf[r * c + i] * static_cast<float>(kr[i]);
+      sc[r * np + done] = dot * scale;
+    }
+  float inv[nq];
+  for (int r = 0; r < nq; ++r) {  // a fixed-order softmax numerator and its sum, per row
+    float* row = sc + r * np;
+#if defined(__AVX512F__)
+    __m512 m16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());  // the padding is -inf
+    for (int64_t j = 0; j < np; j += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(row + j));
+    const float mx = _mm512_reduce_max_ps(m16);
     __m512 s16 = _mm512_setzero_ps();
     const __m512 m = _mm512_set1_ps(mx);
-    for (int64_t j = 0; j < n; j += 16) {
-      const __m512 e = vexp(_mm512_sub_ps(_mm512_loadu_ps(sc.data() + j), m));
-      _mm512_storeu_ps(sc.data() + j, e);
+    for (int64_t j = 0; j < np; j += 16) {
+      const __m512 e = vexp(_mm512_sub_ps(_mm512_loadu_ps(row + j), m));
+      _mm512_storeu_ps(row + j, e);
       s16 = _mm512_add_ps(s16, e);
     }
-    sum = _mm512_reduce_add_ps(s16);
-  }
+    inv[r] = 1.f / _mm512_reduce_add_ps(s16);
 #else
-  sum = 0.f;
-  for (int64_t j = 0; j < n; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
+    const float mx = *std::max_element(row, row + n);
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; ++j) sum += (row[j] = std::exp(row[j] - mx));
+    inv[r] = 1.f / sum;
 #endif
+  }
+  int64_t d0 = 0;
 #if defined(__AVX512F__)
-  if (c == 64) {  // the usual head size: the output's four vectors stay in registers
-    __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+  for (; c % 16 == 0 && d0 < c; d0 += 64) {  // up to 64 outputs of every row in registers, over the keys in order
+    const int nv = static_cast<int>(std::min<int64_t>(64, c - d0) / 16);
+    __m512 o[nq][4];
+    for (int r = 0; r < nq; ++r)
+      for (int t = 0; t < nv; ++t) o[r][t] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
-      const T* vr = v + idx[j] * key_stride;
-      const __m512 ev = _mm512_set1_ps(sc[j]);
-      o0 = _mm512_fmadd_ps(ev, vload(vr), o0);
-      o1 = _mm512_fmadd_ps(ev, vload(vr + 16), o1);
-      o2 = _mm512_fmadd_ps(ev, vload(vr + 32), o2);
-      o3 = _mm512_fmadd_ps(ev, vload(vr + 48), o3);
+      const T* vr = v + idx[j] * key_stride + d0;
+      for (int t = 0; t < nv; ++t) {
+        const __m512 vv = vload(vr + 16 * t);
+        for (int r = 0; r < nq; ++r) o[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r * np + j]), vv, o[r][t]);
+      }
     }
-    const __m512 inv = _mm512_set1_ps(1.f / sum);
-    alignas(64) float res[64];
-    _mm512_store_ps(res, _mm512_mul_ps(o0, inv));
-    _mm512_store_ps(res + 16, _mm512_mul_ps(o1, inv));
-    _mm512_store_ps(res + 32, _mm512_mul_ps(o2, inv));
-    _mm512_store_ps(res + 48, _mm512_mul_ps(o3, inv));
-    for (int64_t i = 0; i < 64; ++i) out[i] = static_cast<T>(res[i]);
-    return;
+    for (int r = 0; r < nq; ++r)
+      for (int t = 0; t < nv; ++t) {
+        alignas(64) float res[16];
+        _mm512_store_ps(res, _mm512_mul_ps(o[r][t], _mm512_set1_ps(inv[r])));
+        for (int i = 0; i < 16; ++i) out[r][d0 + 16 * t + i] = static_cast<T>(res[i]);
+      }
   }
 #endif
-  acc.assign(c, 0.f);
-  for (int64_t j = 0; j < n; ++j) {
-    const T* vr = v + idx[j] * key_stride;
-    const float e = sc[j];
-#if defined(__AVX512F__)
-    if (c % 16 == 0) {
-      const __m512 ev = _mm512_set1_ps(e);
-      for (int64_t i = 0; i < c; i += 16)
-        _mm512_storeu_ps(acc.data() + i, _mm512_fmadd_ps(ev, vload(vr + i), _mm512_loadu_ps(acc.data() + i)));
-      continue;
+  for (; d0 < c; ++d0)
+    for (int r = 0; r < nq; ++r) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < n; ++j) acc += sc[r * np + j] * static_cast<float>(v[idx[j] * key_stride + d0]);
+      out[r][d0] = static_cast<T>(acc * inv[r]);
     }
-#endif
-    for (int64_t i = 0; i < c; ++i) acc[i] += e * static_cast<float>(vr[i]);
-  }
-  const float inv = 1.f / sum;
-  for (int64_t i = 0; i < c; ++i) out[i] = static_cast<T>(acc[i] * inv);
 }
 
 at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -752,21 +800,50 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   }
   at::Tensor out = at::empty({b, g, m, c}, q.options());
   const int64_t sb = kc.stride(0), sg = kc.stride(1), sl = kc.stride(2);
+  const bool* mp = vis.defined() ? vis.data_ptr<bool>() : nullptr;
+  // sets of up to kMaxSet rows of one (b, g) with equal masks (the heads of one token, folded per kv head
+  // t rows apart), in the order of their first rows
+  std::vector<std::array<int64_t, kMaxSet>> sets;
+  std::vector<int> sizes;
+  std::vector<char> taken(m);
+  for (int64_t bg = 0; bg < b * g; ++bg) {
+    std::fill(taken.begin(), taken.end(), 0);
+    for (int64_t i = 0; i < m; ++i) {
+      if (taken[i]) continue;
+      std::array<int64_t, kMaxSet> set{};
+      int n = 0;
+      set[n++] = bg * m + i;
+      for (int64_t j = i + 1; j < m && n < kMaxSet; ++j)
+        if (!taken[j] && (mp == nullptr || std::memcmp(mp + (bg * m + j) * keys, mp + (bg * m + i) * keys, keys) == 0))
+          taken[j] = 1, set[n++] = bg * m + j;
+      sets.push_back(set);
+      sizes.push_back(n);
+    }
+  }
   auto run = [&](auto* tag) {
     using scalar_t = std::remove_pointer_t<decltype(tag)>;
     const scalar_t* qp = qc.data_ptr<scalar_t>();
     const scalar_t* kp = kc.data_ptr<scalar_t>();
     const scalar_t* vp = vc.data_ptr<scalar_t>();
-    const bool* mp = vis.defined() ? vis.data_ptr<bool>() : nullptr;
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, b * g * m, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qf, sc, acc;
-      std::vector<int64_t> idx;
-      for (int64_t r = begin; r < end; ++r) {
-        const int64_t bi = r / (g * m), gi = (r / m) % g;
-        attend_row(qp + r * c, kp + bi * sb + gi * sg, vp + bi * sb + gi * sg, sl,
-                   mp != nullptr ? mp + r * keys : nullptr, keys, c, static_cast<float>(scale), op + r * c, qf, sc,
-                   idx, acc);
+    at::parallel_for(0, static_cast<int64_t>(sets.size()), 1, [&](int64_t begin, int64_t end) {
+      AttendScratch scratch;
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r0 = sets[i][0], nq = sizes[i], bi = r0 / (g * m), gi = (r0 / m) % g;
+        const scalar_t* qs[kMaxSet];
+        scalar_t* os[kMaxSet];
+        for (int64_t r = 0; r < nq; ++r) qs[r] = qp + sets[i][r] * c, os[r] = op + sets[i][r] * c;
+        const scalar_t* kb = kp + bi * sb + gi * sg;
+        const scalar_t* vb = vp + bi * sb + gi * sg;
+        const bool* visible = mp != nullptr ? mp + r0 * keys : nullptr;
+        const float sf = static_cast<float>(scale);
+        static_assert(kMaxSet == 4, "one case per set size");
+        switch (nq) {  // the set size as a constant: its loops unrolled, its accumulators in registers
+          case 1: attend_set<1>(qs, kb, vb, sl, visible, keys, c, sf, os, scratch); break;
+          case 2: attend_set<2>(qs, kb, vb, sl, visible, keys, c, sf, os, scratch); break;
+          case 3: attend_set<3>(qs, kb, vb, sl, visible, keys, c, sf, os, scratch); break;
+          default: attend_set<4>(qs, kb, vb, sl, visible, keys, c, sf, os, scratch); break;
+        }
       }
     });
   };
@@ -775,6 +852,18 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   else
     run(static_cast<c10::BFloat16*>(nullptr));
   return out;
+}
+
+// attend: attention where speed matters more than row independence (bf16, where no output is promised
+// token-identical): attend_rows' kernel where each (b, g) feeds at most kAttendRows query rows (a token or a
+// few per request, its heads folded in: it reads only the keys a row sees, and each key once per set of rows),
+// else torch's (flash attention over blocks of rows, a tree's or a prompt's).
+constexpr int64_t kAttendRows = 9;
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                  double scale) {
+  if (q.dim() == 4 && q.size(2) <= kAttendRows) return attend_rows(q, k, v, mask, scale);
+  return at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scale);
 }
 
 }  // namespace
@@ -791,6 +880,7 @@ TORCH_LIBRARY(boosttune_native, m) {
   m.def("w8a8_vectorised() -> bool", &w8a8_vectorised);
   m.def("w8a8_isa() -> str", &w8a8_isa);
   m.def("attend_rows(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(boosttune_native, CPU, m) {
@@ -798,4 +888,5 @@ TORCH_LIBRARY_IMPL(boosttune_native, CPU, m) {
   m.impl("int8_mm", &int8_mm);
   m.impl("w8a8_mm", &w8a8_mm);
   m.impl("attend_rows", &attend_rows);
+  m.impl("attend", &attend);
 }

@@ -14,13 +14,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from boosttune.serving.sampling import greedy_tokens
 from boosttune.serving.tree import TokenTree, path_to
 
 
 def _targets(tree: TokenTree, p_logits: Tensor) -> Tensor:
     """(N + 1,) LLM argmax on the tree's device: the topology stays where the tree was built
     (the host), only N + 1 ids cross over (no copy when both are on the CPU)."""
-    return p_logits.argmax(dim=-1).to(tree.tokens.device)
+    return greedy_tokens(p_logits).to(tree.tokens.device)
 
 
 def greedy_verify(tree: TokenTree, p_logits: Tensor) -> tuple[list[int], int]:

@@ -111,3 +111,21 @@ def test_greedy_trees_branch_on_the_ssms_next_best_tokens():
     assert tree.tokens[level1].tolist() == top.indices.tolist()
     torch.testing.assert_close(tree.q_prob[level1], top.values)
     assert int((tree.depth == 2).sum()) == 6 and bool((tree.q_prob > 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_picks_argmaxs_index_ties_and_nans_included(dtype):
+    """``greedy_tokens`` (torch.max's indices, the faster kernel) picks what argmax picks: the lowest index
+    among tied maxima, and a NaN as the largest, in every row of a large vocabulary."""
+    from boosttune.serving.sampling import greedy_tokens
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(40, 49152, generator=g).to(dtype)
+    logits[1:, :] = logits[1:, :].round()  # coarse values: ties everywhere
+    logits[3, [7, 100, 40000]] = 50.0  # a tie of three at the top
+    logits[4, 30000] = float("nan")
+    logits[5, [9, 20]] = float("nan")
+    picked = greedy_tokens(logits)
+    assert torch.equal(picked, logits.argmax(-1))
+    assert picked[3] == 7 and picked[4] == 30000 and picked[5] == 9
+    assert int(greedy_tokens(logits[6])) == int(logits[6].argmax())

@@ -141,6 +141,10 @@ def test_w8a8_mm_computes_the_reference_and_each_row_alone(dtype, in_features) -
             assert torch.equal(torch.ops.boosttune_native.w8a8_mm(x[r : r + rows], packed, scales, block),
                                ours[r : r + rows])
     assert torch.equal(quantize.w8a8_mm(x, packed, scales), ours)
+    # a prompt's many rows (AMX: passes of 16 rows over each group's weights), the last pass partial
+    many = torch.cat([x] * 5 + [x[:4]]).to(dtype)  # 49 rows
+    out = torch.ops.boosttune_native.w8a8_mm(many, packed, scales, block)
+    assert torch.equal(out, torch.cat([ours] * 5 + [ours[:4]]))
 
 
 @needs_native
@@ -222,3 +226,46 @@ def test_attend_rows_computes_attention_each_row_alone_over_its_visible_keys_in_
     full = torch.ops.boosttune_native.attend_rows(q, k, v, None, 0.125)
     torch.testing.assert_close(full.double(), F.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=0.125),
                                rtol=tol, atol=tol)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_rows_gives_rows_that_share_a_mask_what_each_gets_alone(dtype) -> None:
+    """Rows of one kv head that see the same keys (a token's query heads, folded ``t`` rows apart) are
+    attended together, reading each key once for the set: each row's output is bit for bit what it gets
+    fed alone, whichever rows share its set, and near fp64 attention."""
+    g = torch.Generator().manual_seed(6)
+    rep, t, keys, c = 3, 4, 70, 64
+    q = torch.randn(2, 3, rep * t, c, generator=g).to(dtype)
+    k = torch.randn(2, 3, keys, c, generator=g).to(dtype)
+    v = torch.randn(2, 3, keys, c, generator=g).to(dtype)
+    token_mask = torch.rand(2, 1, t, keys, generator=g) > 0.2  # per token
+    token_mask[..., 0] = True
+    mask = token_mask.repeat(1, 1, rep, 1)  # heads folded: row h * t + j is token j's head h
+    ours = torch.ops.boosttune_native.attend_rows(q, k, v, mask, 0.125)
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=0.125)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.double(), want, rtol=tol, atol=tol)
+    for row in (0, 5, rep * t - 1):
+        alone = torch.ops.boosttune_native.attend_rows(q[:, :, row : row + 1], k, v, mask[:, :, row : row + 1], 0.125)
+        assert torch.equal(alone, ours[:, :, row : row + 1])
+    two = torch.ops.boosttune_native.attend_rows(q[:, :, [1, 1 + t]], k, v, mask[:, :, [1, 1 + t]], 0.125)
+    assert torch.equal(two, ours[:, :, [1, 1 + t]])
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [3, 9, 12, 48])
+def test_attend_is_attention_on_either_path(rows) -> None:
+    """``attend`` (bf16 serving's attention): the row-by-row kernel for up to 9 rows per kv head, torch's
+    flash attention above; either way softmax(scale q k^T) v over the visible keys, as in fp64."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(4, 3, rows, 64, generator=g).bfloat16()
+    k = torch.randn(4, 3, 90, 64, generator=g).bfloat16()
+    v = torch.randn(4, 3, 90, 64, generator=g).bfloat16()
+    mask = torch.rand(4, 1, rows, 90, generator=g) > 0.4
+    mask[..., 0] = True
+    ours = torch.ops.boosttune_native.attend(q, k, v, mask, 0.125)
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=0.125)
+    torch.testing.assert_close(ours.double(), want, rtol=2e-2, atol=2e-2)
+    if rows <= 9:
+        assert torch.equal(ours, torch.ops.boosttune_native.attend_rows(q, k, v, mask, 0.125))

@@ -34,6 +34,7 @@ from torch import Tensor
 from transformers import AttentionInterface
 
 from boosttune.serving import cpu_linear
+from boosttune.serving.sampling import greedy_tokens
 
 ATTENTION = "boosttune_batched_teacher"
 
@@ -126,7 +127,7 @@ def pick_tokens(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0,
     (4x more until every row's nucleus fits), and without top-p the draw is an exponential race
     (the argmax of p_i / E_i, E_i ~ Exp(1), falls on i with probability p_i)."""
     if temperature <= 0:
-        return logits.argmax(-1)
+        return greedy_tokens(logits)
     logits = logits / temperature
     if top_p >= 1.0:
         race = -torch.rand(logits.shape, generator=generator, device=logits.device).log()  # Exp(1)
