@@ -162,13 +162,13 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, exa
          native_ok: bool | None = None) -> Tensor:
     """``F.scaled_dot_product_attention``; ``exact``: each query row computed alone, bit for bit the same
     whatever rows share the call (``boosttune_native::attend_rows``, or in fp64 where it is not built).
-    bf16 on the CPU attends through ``boosttune_native::attend`` where built: the same row-by-row kernel
-    for a few rows per kv head (it reads only the keys a row sees, once for a token's heads), torch's
-    flash attention for more. A batch of 16 one-token requests with caches of ~200 positions, each layer's
-    caches out of the CPU's caches as in a real step, attended in ~200 µs a layer against ~400 with
-    torch's (AMX Xeon, 2 threads, ``scripts/bench_kernels.py``-like loop over 30 layers); torch's reads every
-    slot's keys up to the longest and packs them each call. fp32 keeps torch's attention, whose rows a
-    plain step and a tree's verification compute alike enough that fp32 greedy output stays identical.
+    bf16 on the CPU attends through ``boosttune_native::attend`` where built: the same row kernel for up
+    to 9 query rows per kv head (it reads only the keys a row sees, once for a token's heads), torch's
+    flash attention for more. 16 one-token requests with caches of 200 positions, each layer's caches out
+    of the CPU's caches as in a real step: ~200 µs a layer against ~360 with torch's, which reads every
+    slot up to the longest and packs it each call (AMX Xeon, 2 threads; docs/measurements.md, "Serving
+    many clients at once"). fp32 keeps torch's attention: a plain step and a tree's verification compute
+    alike enough there that fp32 greedy output stays identical.
 
     torch's attention sums a row in an order that depends on the other query rows fed with it and on where
     its keys lie in the cache (a tree's nodes sit at scattered slots), so a tree's row and a plain step's
