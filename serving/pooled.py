@@ -159,16 +159,17 @@ class PooledStep:
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, exact: bool = False,
-         native_ok: bool | None = None) -> Tensor:
+         native_ok: bool | None = None, batched: bool = False) -> Tensor:
     """``F.scaled_dot_product_attention``; ``exact``: each query row computed alone, bit for bit the same
     whatever rows share the call (``boosttune_native::attend_rows``, or in fp64 where it is not built).
-    bf16 on the CPU attends through ``boosttune_native::attend`` where built: the same row kernel for up
-    to 9 query rows per kv head (it reads only the keys a row sees, once for a token's heads), torch's
+    ``batched`` (a pooled step of several requests) in bf16 on the CPU attends through
+    ``boosttune_native::attend`` where built: the same row kernel for up to 9 query rows per kv head (it reads only the keys a row sees, once for a token's heads), torch's
     flash attention for more. 16 one-token requests with caches of 200 positions, each layer's caches out
     of the CPU's caches as in a real step: ~200 µs a layer against ~360 with torch's, which reads every
     slot up to the longest and packs it each call (AMX Xeon, 2 threads; docs/measurements.md, "Serving
-    many clients at once"). fp32 keeps torch's attention: a plain step and a tree's verification compute
-    alike enough there that fp32 greedy output stays identical.
+    many clients at once"). One request keeps torch's attention: through ``attend`` its trees verified
+    slower on MT-bench 1-30 (the bundle 1.21x plain against 1.35x). fp32 keeps torch's attention too: a
+    plain step and a tree's verification compute alike enough there that fp32 greedy output stays identical.
 
     torch's attention sums a row in an order that depends on the other query rows fed with it and on where
     its keys lie in the cache (a tree's nodes sit at scattered slots), so a tree's row and a plain step's
@@ -179,7 +180,7 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, exa
     input is what a plain step computes and fp32 speculation stays token-identical.
     ``LeanRunner.quantize("w8a8")`` turns it on in fp32. ``native_ok``: whether the native ops are built,
     passed where it must not be asked (a compiled graph); None asks."""
-    fast = q.dtype == torch.bfloat16 and q.device.type == "cpu"
+    fast = batched and q.dtype == torch.bfloat16 and q.device.type == "cpu"
     if not exact and not fast:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     if native_ok is None:
@@ -208,7 +209,7 @@ def pooled_attention(keys: Tensor, values: Tensor, q: Tensor, k: Tensor, v: Tens
     values[write_slot, :, write_pos] = v[0].transpose(0, 1)
     qp = q[0].index_select(1, src).view(qn, width, tm, c).transpose(0, 1)  # (width, Q, Tm, C)
     att = sdpa(qp.reshape(width, g, rep * tm, c), keys[:width, :, :sm], values[:width, :, :sm], mask, scale, exact,
-               native_ok)
+               native_ok, batched=True)
     att = att.reshape(width, qn, tm, c).transpose(0, 1).reshape(qn, width * tm, c)
     return att.index_select(1, dst).unsqueeze(0)
 
