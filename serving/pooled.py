@@ -181,16 +181,16 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, exa
     ``LeanRunner.quantize("w8a8")`` turns it on in fp32. ``native_ok``: whether the native ops are built,
     passed where it must not be asked (a compiled graph); None asks."""
     fast = batched and q.dtype == torch.bfloat16 and q.device.type == "cpu"
-    if not exact and not fast:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    if native_ok is None:
-        native_ok = native.available()
-    if native_ok:
-        op = torch.ops.boosttune_native.attend_rows if exact else torch.ops.boosttune_native.attend
-        return op(q, k, v, mask, scale)
-    if not exact:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=scale).to(q.dtype)
+    if exact or fast:
+        if native_ok is None:
+            native_ok = native.available()
+        if native_ok:
+            op = torch.ops.boosttune_native.attend_rows if exact else torch.ops.boosttune_native.attend
+            return op(q, k, v, mask, scale)
+        if exact:
+            return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
+                                                  scale=scale).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def pooled_attention(keys: Tensor, values: Tensor, q: Tensor, k: Tensor, v: Tensor, writes: tuple[Tensor, Tensor],
