@@ -139,7 +139,7 @@ def compile_served(served: Served, batched: bool = False) -> float:
             d.prepare(plan[name])  # the head its trees draft over, cut before its graphs are built
     drafters = [r for d in served.engine.drafters.values() if compile_reason(r := getattr(d, "runner", None)) is None]
     try:
-        return compile_runner(llm, pooled=batched) + sum(compile_runner(r) for r in drafters)  # type: ignore[arg-type]
+        return compile_runner(llm, pooled=batched, prefills=True) + sum(compile_runner(r) for r in drafters)  # type: ignore[arg-type]
     except Exception as e:  # inductor's own errors (e.g. no C++ compiler): say which flag to drop
         for r in [llm, *drafters]:
             r.compiled = None  # type: ignore[attr-defined]

@@ -123,7 +123,8 @@ class CompiledForward(torch.nn.Module):
     head counts) as constants, where those of a plain object become symbols of the dynamic graph,
     which made each compile several times slower."""
 
-    def __init__(self, runner: LeanRunner):
+    def __init__(self, runner: LeanRunner, prefills: bool = False):
+        """``prefills``: prompts from an empty cache (no logits) run compiled graphs too (``prefill``)."""
         super().__init__()
         why = compile_reason(runner)
         if why is not None:
@@ -182,10 +183,12 @@ class CompiledForward(torch.nn.Module):
         # instance needs its own two: each instance compiles a copy of ``_forward``'s code
         # inductor's C++ wrapper calls the graph's kernels without Python between them: a plain step of the
         # default LLM took 15.4 ms against 17.0 in bf16, 5.9 against 7.3 in int4 (EPYC AVX512-BF16)
-        self._fn, self._pooled_fn = (
+        self._fn, self._pooled_fn, self._prefill_fn, self._pooled_prefill_fn = (
             torch.compile(types.MethodType(types.FunctionType(f.__code__.replace(), globals(), f.__name__), self),
                           dynamic=True, fullgraph=True, options={"cpp_wrapper": True})
-            for f in (CompiledForward._forward, CompiledForward._pooled_forward))
+            for f in (CompiledForward._forward, CompiledForward._pooled_forward, CompiledForward._prefill_forward,
+                      CompiledForward._pooled_prefill_forward))
+        self.prefills = prefills
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, keys: list[Tensor],
                  values: list[Tensor], length: int, mask: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -198,7 +201,22 @@ class CompiledForward(torch.nn.Module):
 
     def rebuilt(self, runner: LeanRunner) -> CompiledForward:
         """``lean.Compiled.rebuilt``: the graph holds the LM head it was built with."""
-        return CompiledForward(runner)
+        return CompiledForward(runner, self.prefills)
+
+    def prefill(self, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor],
+                mask: Tensor) -> Tensor:
+        """A prompt's forward into an empty cache without the LM head: ``x`` (1, T, H) the embeddings of
+        positions 0 .. T - 1, ``mask`` their (rep T, T) folded causal mask; returns the (T, H) fp32 last
+        hidden states (then the ``taps``). Only from an empty cache: dynamo's graph then holds the cache
+        length equal to T for good, where a graph traced with the two equal recompiles when they differ."""
+        return self._prefill_fn(x, cos, sin, keys, values, mask, self._norms)
+
+    def pooled_prefill(self, x: Tensor, cos: Tensor, sin: Tensor, step: PooledStep) -> Tensor:
+        """Several requests' prompts into their empty slots of a pool, without the LM head (``prefill``,
+        ``pooled``); returns the (N, H) fp32 last hidden states (then the ``taps``)."""
+        pool = step.pool
+        return self._pooled_prefill_fn(x, cos, sin, pool.keys, pool.values,
+                                       (step.write_slot, step.write_pos), (step.src, step.dst), step.mask, self._norms)
 
     def pooled(self, x: Tensor, cos: Tensor, sin: Tensor, step: PooledStep) -> tuple[Tensor, Tensor]:
         """Several requests' forward over their caches' pool (``lean.run_many``): ``x`` (1, N, H) the
@@ -250,6 +268,30 @@ class CompiledForward(torch.nn.Module):
 
         return self._layers(x, cos, sin, norms, head_ids, attend)
 
+    def _prefill_forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor],
+                         mask: Tensor, norms: Tensor) -> Tensor:
+        q_n, g_n, c = self._q, self._g, self._c
+        t = x.shape[1]
+
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            keys[i][:, :t] = k[0]
+            values[i][:, :t] = v[0]
+            qg = q.reshape(1, g_n, (q_n // g_n) * t, c)
+            att = sdpa(qg, keys[i][None, :, :t], values[i][None, :, :t], mask, self._scale, self._exact,
+                       self._native_attend)
+            return att.reshape(1, q_n, t, c)
+
+        return self._layers(x, cos, sin, norms, None, attend, head=False)[1]
+
+    def _pooled_prefill_forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor],
+                                writes: tuple[Tensor, Tensor], rows: tuple[Tensor, Tensor], mask: Tensor,
+                                norms: Tensor) -> Tensor:
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return pooled_attention(keys[i], values[i], q, k, v, writes, rows, mask, self._scale, self._exact,
+                                    self._native_attend)
+
+        return self._layers(x, cos, sin, norms, None, attend, head=False)[1]
+
     def _pooled_forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor],
                         writes: tuple[Tensor, Tensor], rows: tuple[Tensor, Tensor],
                         mask: Tensor, norms: Tensor, head_ids: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -259,9 +301,9 @@ class CompiledForward(torch.nn.Module):
         return self._layers(x, cos, sin, norms, head_ids, attend)
 
     def _layers(self, x: Tensor, cos: Tensor, sin: Tensor, norms: Tensor, head_ids: Tensor | None,
-                attend: Callable[[int, Tensor, Tensor, Tensor], Tensor]) -> tuple[Tensor, Tensor]:
+                attend: Callable[[int, Tensor, Tensor, Tensor], Tensor], head: bool = True) -> tuple[Tensor | None, Tensor]:
         """The forward of (1, T, H) embeddings ``x`` through every layer, ``attend(i, q, k, v)`` giving layer
-        ``i``'s (1, Q, T, C) attention output (and writing its cache)."""
+        ``i``'s (1, Q, T, C) attention output (and writing its cache); the logits are None without ``head``."""
         q_n, g_n, c = self._q, self._g, self._c
         t = x.shape[1]
         half = c // 2
@@ -286,41 +328,55 @@ class CompiledForward(torch.nn.Module):
             gate, up = op(self._rms(x, norms[2 * i + 1]), i, 2, *gate_up_key).chunk(2, dim=-1)
             x = x + op(F.silu(gate) * up, i, 3, *down_key)
         last = self._rms(x, norms[-1])[0]  # (T, H)
+        hidden = torch.cat([last, *(tapped[i] for i in self.taps)], -1) if self.taps else last
+        if not head:
+            return None, hidden.float()
         logits = op(last, 0, 4, *self._head).float()  # (T, V), or (T, K) over a draft vocabulary
         if head_ids is not None:  # ModelRunner._restricted_logits
             logits = logits.new_full((t, self._vocab), float("-inf")).index_copy(1, head_ids, logits)
-        hidden = torch.cat([last, *(tapped[i] for i in self.taps)], -1) if self.taps else last
         return logits, hidden.float()
 
 
-def compile_runner(runner: LeanRunner, warm_up: bool = True, pooled: bool = False) -> float:
+def compile_runner(runner: LeanRunner, warm_up: bool = True, pooled: bool = False, prefills: bool = False) -> float:
     """Give ``runner`` (the LLM's, or a drafter's) and the runners it spawns later the compiled forward;
     with ``warm_up``, compile its two graphs now (a plain step and a tree) on a scratch runner, and with
-    ``pooled`` too the two graphs of several requests over a pool (a server that batches). Returns the
-    seconds spent."""
+    ``pooled`` too the two graphs of several requests over a pool (a server that batches). ``prefills``:
+    prompts run compiled too (``CompiledForward.prefill``; one graph more, two with ``pooled``). Returns
+    the seconds spent."""
     start = time.perf_counter()
-    runner.compiled = CompiledForward(runner)
+    runner.compiled = CompiledForward(runner, prefills)
     if warm_up:
         scratch = runner.spawn()
-        scratch.prefill(torch.arange(1, 5))
+        scratch.prefill(torch.arange(1, 38))  # 37 tokens: a size no model constant shares (see _warm_up_pooled)
         for t in (1, 2):  # a plain step, then a tree of two nodes under the root
             p = scratch.cached_len
             scratch.forward(torch.ones(1, t, dtype=torch.long), torch.full((1, t), p), p,
                             torch.eye(t, dtype=torch.bool))
         if pooled:
-            _warm_up_pooled(runner)
+            _warm_up_pooled(runner, prefills)
     return time.perf_counter() - start
 
 
-def _warm_up_pooled(runner: LeanRunner) -> None:
-    """Compile the two pooled graphs: a plain step and trees of several requests. Dynamo gives sizes that
-    are equal when it first traces one symbol ("duck sizing"), and a graph traced with two sizes equal
-    recompiles when they differ; a size equal to a model constant (a head dim of 8) is specialised for
-    good. So the sizes here differ from each other and from common model sizes: 10 requests in slots
-    0-10 of a 13-slot pool, then trees of 2 and 5 tokens (23 in all), 38-43 cached positions."""
+def _warm_up_pooled(runner: LeanRunner, prefills: bool) -> None:
+    """Compile the pooled graphs: a plain step and trees of several requests (with ``prefills``, first
+    their prompts). Dynamo gives sizes that are equal when it first traces one symbol ("duck sizing"),
+    and a graph traced with two sizes equal recompiles when they differ; a size equal to a model
+    constant (a head dim of 8) is specialised for good. So the sizes here differ from each other and
+    from common model sizes: 10 requests in slots 0-10 of a 13-slot pool, prompts of 5 tokens and one of
+    12 (57 in all; a prompt's graph holds its longest prompt equal to the cache length, as it always
+    is from empty caches), then trees of 2 and 5 tokens (23 in all), 38-43 cached positions."""
     pool = runner.new_pool(13)
     scratch = [runner.spawn(pool) for _ in range(11)]
     feeding = [r for j, r in enumerate(scratch) if j != 4]
+    if prefills:
+        feeds = []
+        for j, r in enumerate(feeding):
+            t = 12 if j == 9 else 5
+            feeds.append((r, Feed(torch.arange(1, t + 1).unsqueeze(0), torch.arange(t).unsqueeze(0), 0,
+                                  torch.ones(t, t, dtype=torch.bool).tril(), logits=False)))
+        run_many(feeds)
+        for r in feeding:
+            r.reset()
     for r in feeding:
         r.prefill(torch.arange(1, 38))
     for sizes in ([1] * 10, [2] * 9 + [5]):

@@ -307,6 +307,7 @@ class Stream:
         self.names = [name for name in drafters if name in plan.trees]
         self.drafting = [(drafters[name], plan.trees[name]) for name in self.names]
         self.readers = [d for d, _ in self.drafting if d.observes_features()]
+        self._width = llm.model.get_output_embeddings().weight.shape[1] if self.readers else 0  # H
         self.records: list[StepRecord] = []
         self.generated: list[int] = []
         self.accept_lengths: list[int] = []
@@ -346,9 +347,12 @@ class Stream:
         self._t_step = time.perf_counter()
         self._draft_s = []
         self._drafted = drafting
-        drafters = self.drafting if drafting else []
-        self._tree, self._maps = _draft(self.committed, self.sampling, self.gen, drafters, self._draft_s)
         prefix_len = len(self.committed) - 1
+        if not (drafting and self.drafting):  # a plain step: ``verification_inputs`` of no tree, made directly
+            self._tree, self._maps = _NO_TREE, []
+            return (torch.tensor([[self.committed[-1]]]), torch.tensor([[prefix_len]]), prefix_len,
+                    torch.ones(1, 1, dtype=torch.bool))
+        self._tree, self._maps = _draft(self.committed, self.sampling, self.gen, self.drafting, self._draft_s)
         input_ids, pos, mask = verification_inputs(self._tree, self.committed[-1], prefix_len)
         return input_ids, pos, prefix_len, mask
 
@@ -376,7 +380,10 @@ class Stream:
         else:
             p = logits_to_probs(logits, sampling)  # (N + 1, V)
             path, bonus = stochastic_verify(tree, p, self.gen) if tree.size else ([], int(sample(p, self.gen)[0]))
-        self.llm.keep(prefix_len, torch.tensor([0] + [n + 1 for n in path], dtype=torch.long))
+        if path:
+            self.llm.keep(prefix_len, torch.tensor([0] + [n + 1 for n in path], dtype=torch.long))
+        else:  # the pending token's entry alone, in place: keep's work without its tensors
+            self.llm.crop(prefix_len + 1)
         for j, (d, _) in enumerate(self.drafting if self._drafted else []):  # an undrafted step leaves them be
             local = _local_path(maps[j], path)
             self.hits[self.names[j]] += len(local)
@@ -384,10 +391,12 @@ class Stream:
         new, self.finish = self.stop.cut(self.generated, tree.tokens[path].tolist() + [bonus])
         if self.readers:  # features of the pending token and the accepted path: positions now committed
             assert hidden is not None, "a stream whose drafters read features needs the LLM's hidden states"
-            rows = torch.tensor([0] + [n + 1 for n in path], dtype=torch.long)[: len(new)]
-            width = self.llm.model.get_output_embeddings().weight.shape[1]
+            if path:
+                rows = hidden[torch.tensor([0] + [n + 1 for n in path], dtype=torch.long)[: len(new)].to(hidden.device)]
+            else:
+                rows = hidden[: len(new)]
             for d in self.readers:
-                d.observe(reader_features(hidden[rows.to(hidden.device)], width, self.llm.taps, d.feature_layers()))
+                d.observe(reader_features(rows, self._width, self.llm.taps, d.feature_layers()))
         self.generated += new
         self.committed += new
         self.accept_lengths.append(len(new))
@@ -404,6 +413,9 @@ class Stream:
                                self.finish or "cancelled", self.hits, active=self.names, records=self.records)
         res.prefill_s, res.plan_s, res.plan = self.prefill_s, self.plan_s, self.plan
         return res
+
+
+_NO_TREE = TokenTree.empty()  # a plain step's tree (size-0 tensors: nothing to change in them)
 
 
 def feature_taps(drafters: Iterable[Drafter]) -> tuple[int, ...]:
@@ -426,9 +438,8 @@ def _draft(
     committed: list[int], sampling: SamplingParams, gen: torch.Generator,
     drafters: Sequence[tuple[Drafter, TreeConfig]], times: list[float],
 ) -> tuple[TokenTree, list[Tensor]]:
-    """Merged tree of ``drafters``, each drafting its tree; appends each draft's seconds to ``times``."""
-    if not drafters:  # a plain step: no tensor of the whole text to build
-        return TokenTree.empty(), []
+    """Merged tree of ``drafters`` (at least one), each drafting its tree; appends each draft's seconds to
+    ``times``."""
     ids = torch.tensor(committed)
     trees = []
     for d, tree in drafters:

@@ -36,7 +36,9 @@ class FeatureDrafter(SSMDrafter):
         self._check_model(runner.model)
         super().__init__(runner, vocab_size, ranking)
         width = runner.model.get_input_embeddings().weight.shape[1]
-        self._features = torch.zeros(0, width)  # (T - 1, H) the LLM's features of the committed positions
+        # the LLM's features of the committed positions, (T - 1, H) in all: chunks as ``observe`` got them,
+        # joined when a draft reads them (a batch that takes plain steps observes every step and drafts none)
+        self._chunks: list[Tensor] = [torch.zeros(0, width)]
         self._node_hidden: dict[int, Tensor] = {}  # node index (-1: the root) → its predicted feature
 
     def _check_model(self, model) -> None:
@@ -49,7 +51,7 @@ class FeatureDrafter(SSMDrafter):
 
     def reset(self) -> None:
         super().reset()
-        self._features = self._features[:0]
+        self._chunks = [self._chunks[0][:0]]
         self._node_hidden = {}
 
     def observes_features(self) -> bool:
@@ -57,7 +59,14 @@ class FeatureDrafter(SSMDrafter):
 
     def observe(self, features: Tensor) -> None:
         """The LLM's (n, H) features of the next n committed positions."""
-        self._features = torch.cat([self._features, features.detach().float().cpu()])
+        self._chunks.append(features.detach().float().cpu())
+
+    @property
+    def _features(self) -> Tensor:
+        """(T - 1, H) the LLM's features of the committed positions."""
+        if len(self._chunks) > 1:
+            self._chunks = [torch.cat(self._chunks)]
+        return self._chunks[0]
 
     def _catch_up(self, committed: Tensor) -> Tensor:
         """Feed the pairs the cache lacks; returns the (V,) logits of the last one (depth 1)."""

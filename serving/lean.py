@@ -132,6 +132,14 @@ class Compiled(Protocol):
 
     def pooled(self, x: Tensor, cos: Tensor, sin: Tensor, step: PooledStep) -> tuple[Tensor, Tensor]: ...
 
+    prefills: bool
+    """Whether ``prefill`` and ``pooled_prefill`` may be called (prompts into empty caches, no logits)."""
+
+    def prefill(self, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor],
+                mask: Tensor) -> Tensor: ...
+
+    def pooled_prefill(self, x: Tensor, cos: Tensor, sin: Tensor, step: PooledStep) -> Tensor: ...
+
     def rebuilt(self, runner: LeanRunner) -> Compiled:
         """A compiled forward of ``runner`` as it is now (its LM head cut to another draft vocabulary);
         its graphs compile at their first call."""
@@ -422,18 +430,23 @@ def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor | No
         raise ValueError("run_many feeds each runner once")
     dev, body = first.device, first._body
     q_rep = first._q // first._g if dev.type == "cpu" else 0  # query heads per kv head; 0: no CPU shortcut
-    embeds, positions, spans = [], [], []
+    positions, spans = [], []
     off = 0
     for runner, f in feeds:
         t = f.inputs.shape[1]
         s = runner._len + t
         assert f.position_ids.shape == f.inputs.shape[:2], "position_ids must be (1, T)"
         assert f.tree_mask.shape == (t, s - f.prefix_len), f"tree_mask must be ({t}, {s - f.prefix_len})"
-        x = body.embed_tokens(f.inputs.to(dev)) if f.inputs.dim() == 2 else f.inputs.to(dev)  # (1, T, H)
-        embeds.append(x.to(body.embed_tokens.weight.dtype))
         positions.append(f.position_ids.to(dev))
         spans.append((off, off + t, runner._len, s))
         off += t
+    dtype = body.embed_tokens.weight.dtype
+    if all(f.inputs.dim() == 2 for _, f in feeds):  # token ids: one lookup for all feeds
+        ids = torch.cat([f.inputs for _, f in feeds], dim=1) if len(feeds) > 1 else feeds[0][1].inputs
+        embeds = [body.embed_tokens(ids.to(dev)).to(dtype)]  # (1, sum T, H)
+    else:
+        embeds = [(body.embed_tokens(f.inputs.to(dev)) if f.inputs.dim() == 2 else f.inputs.to(dev)).to(dtype)
+                  for _, f in feeds]  # (1, T, H) each
     pool = shared_pool([r for r, _ in feeds]) if len(feeds) > 1 and q_rep else None
     pooled = None if pool is None else PooledStep.plan(
         pool, [(r, f.prefix_len, f.tree_mask, *span) for (r, f), span in zip(feeds, spans, strict=True)], q_rep)
@@ -443,16 +456,30 @@ def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor | No
     cos, sin = body.rotary_emb(x, torch.cat(positions, dim=1) if len(positions) > 1 else positions[0])
     for (runner, _), (_, _, _, s) in zip(feeds, spans, strict=True):
         runner._reserve(s, x.dtype)
-    if pooled is not None and first.compiled is not None and all(f.logits for _, f in feeds):
-        logits, hidden = first.compiled.pooled(x, cos, sin, pooled)  # (sum T, V), (sum T, (1 + taps) H)
+    graph = first.compiled
+    # prompts into empty caches (no logits) run compiled where the runner's graphs include them, at least
+    # two tokens long (dynamo specialises a size of 1)
+    prompts = (graph is not None and graph.prefills and not any(f.logits for _, f in feeds)
+               and all(s0 == 0 for _, _, s0, _ in spans) and max(b - a for a, b, _, _ in spans) > 1)
+    if pooled is not None and graph is not None and (prompts or all(f.logits for _, f in feeds)):
+        if prompts:  # (sum T, (1 + taps) H)
+            logits, hidden = None, graph.pooled_prefill(x, cos, sin, pooled)
+        else:  # (sum T, V), (sum T, (1 + taps) H)
+            logits, hidden = graph.pooled(x, cos, sin, pooled)
         for (runner, _), (_, _, _, s) in zip(feeds, spans, strict=True):
             runner._len = s
-        return [(logits[a:b], hidden[a:b] if f.hidden else None) for (_, f), (a, b, _, _) in zip(feeds, spans, strict=True)]
+        return [(None if logits is None else logits[a:b], hidden[a:b] if f.hidden else None)
+                for (_, f), (a, b, _, _) in zip(feeds, spans, strict=True)]
     only = feeds[0][1]
-    if len(feeds) == 1 and first.compiled is not None and only.logits and masks[0].raw is None:
+    if len(feeds) == 1 and graph is not None and masks[0].raw is None and (
+            only.logits or (prompts and masks[0].folded is not None)):
         s0, s = spans[0][2], spans[0][3]
-        logits, last = first.compiled(x, cos, sin, torch.arange(s0, s, device=dev), first._keys, first._values, s,
-                                      masks[0].folded)
+        if only.logits:
+            logits, last = graph(x, cos, sin, torch.arange(s0, s, device=dev), first._keys, first._values, s,
+                                 masks[0].folded)
+        else:
+            assert masks[0].folded is not None
+            logits, last = None, graph.prefill(x, cos, sin, first._keys, first._values, masks[0].folded)
         first._len = s
         return [(logits, last if only.hidden else None)]
     q_n, g_n, c, n = first._q, first._g, first._c, x.shape[1]

@@ -183,21 +183,35 @@ def test_what_cannot_compile_says_why(llm):
 
 @torch.inference_mode()
 def test_batches_over_a_pool_take_the_pooled_graphs_and_match(llm):
-    """Runners in a pool: plain steps and trees of several requests go through the two pooled graphs,
-    compiled at warm-up, and compute what the eager forward computes; sizes do not recompile."""
+    """Runners in a pool: prompts, plain steps and trees of several requests go through the pooled graphs,
+    compiled at warm-up, and compute what the eager forward computes; sizes do not recompile. A single
+    prompt takes its own graph."""
     runner = LeanRunner(llm)
-    compile_runner(runner, pooled=True)
+    compile_runner(runner, pooled=True, prefills=True)
     before = counters["stats"]["unique_graphs"]
-    calls = []
-    pooled = runner.compiled.pooled
-    runner.compiled.pooled = lambda *args: calls.append(1) or pooled(*args)  # the spawned runners share it
+    calls: list[str] = []
+    graph = runner.compiled
+
+    def counted(name):
+        call = getattr(graph, name)
+        return lambda *args: calls.append(name) or call(*args)
+
+    for name in ("pooled", "pooled_prefill", "prefill"):  # the spawned runners share the graphs
+        setattr(graph, name, counted(name))
+    single = runner.spawn()
+    prompt = torch.arange(5, 66) % 60
+    _close(single.chain_hidden(prompt), LeanRunner(llm).chain_hidden(prompt))
+    assert calls == ["prefill"]
     pool = runner.new_pool(4)
     runners = [runner.spawn(pool) for _ in range(4)]
     alone = [LeanRunner(llm) for _ in range(4)]
-    for k, (r, a) in enumerate(zip(runners, alone, strict=True)):
-        ids = torch.arange(3 + k, 10 + 5 * k) % 60
-        r.prefill(ids)
-        a.prefill(ids)
+    prompts = [torch.arange(3 + k, 10 + 5 * k) % 60 for k in range(4)]
+    feeds = [(r, Feed(ids[None], torch.arange(ids.numel())[None], 0, torch.ones(ids.numel(), ids.numel(),
+                                                                           dtype=torch.bool).tril(),
+                      hidden=True, logits=False)) for r, ids in zip(runners, prompts, strict=True)]
+    for (logits, hidden), a, ids in zip(run_many(feeds), alone, prompts, strict=True):
+        assert logits is None
+        _close(hidden, a.chain_hidden(ids))
     for sizes in ((1, 1, 1, 1), (3, 1, 2, 1), (1, 1, 0, 1), (2, 4, 0, 3)):  # 0: that request sits the step out
         feeds = []
         for r, t in zip(runners, sizes, strict=True):
@@ -215,4 +229,4 @@ def test_batches_over_a_pool_take_the_pooled_graphs_and_match(llm):
                 _close(hidden, want_hidden)
             assert r.cached_len == a.cached_len
     assert counters["stats"]["unique_graphs"] == before, "no graph compiled after the warm-up"
-    assert len(calls) == 4, "every step of several requests ran the pooled graph"
+    assert calls == ["prefill", "pooled_prefill"] + ["pooled"] * 4, "every forward of several requests ran a pooled graph"
