@@ -490,6 +490,58 @@ void write_rows(const float (*acc)[16], const float* offsets, const float* scale
   }
 }
 
+// NP passes of 16 rows (1 or 2) over one group's 32 outputs: with two, each weight tile loaded serves both
+// passes' input tiles (four tile multiplies per four loads, where one pass takes two per three)
+template <int NP, typename S>
+void amx_passes(const int32_t* xt, const float* st, const uint8_t* w, const uint8_t* ahead, const float* offsets,
+                const float* sp, S* op, int64_t pass, int64_t rows, int64_t in, int64_t outs, int64_t o0,
+                int64_t n_out, int64_t nb, int64_t chunks, int64_t per_block, float (*acc)[AMX_OUTS][16]) {
+  alignas(64) int32_t sums[AMX_OUTS][16];
+  for (int p = 0; p < NP; ++p)
+    for (int64_t o = 0; o < AMX_OUTS; ++o) _mm512_store_ps(acc[p][o], _mm512_setzero_ps());
+  const int32_t* t0 = xt + pass * chunks * 256;
+  const int32_t* t1 = t0 + chunks * 256;
+  for (int64_t b = 0; b < nb; ++b) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (NP == 2) {
+      _tile_zero(5);
+      _tile_zero(6);
+    }
+    for (int64_t c = b * per_block; c < (b + 1) * per_block; ++c) {
+      if (ahead != nullptr)  // the next group's weights, a line per output per chunk
+        for (int64_t o = 0; o < AMX_OUTS; ++o) __builtin_prefetch(ahead + o * in + c * 64, 0, 2);
+      _tile_loadd(2, w + c * 64, in);
+      _tile_loadd(3, w + 16 * in + c * 64, in);
+      _tile_loadd(4, t0 + c * 256, 64);
+      _tile_dpbusd(0, 2, 4);
+      _tile_dpbusd(1, 3, 4);
+      if (NP == 2) {
+        _tile_loadd(7, t1 + c * 256, 64);
+        _tile_dpbusd(5, 2, 7);
+        _tile_dpbusd(6, 3, 7);
+      }
+    }
+    for (int p = 0; p < NP; ++p) {
+      if (p == 0) {
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[16], 64);
+      } else {
+        _tile_stored(5, sums[0], 64);
+        _tile_stored(6, sums[16], 64);
+      }
+      const __m512 a = _mm512_loadu_ps(st + ((pass + p) * nb + b) * AMX_ROWS);
+      for (int64_t o = 0; o < AMX_OUTS; ++o)
+        _mm512_store_ps(acc[p][o], _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[o])), a,
+                                                   _mm512_load_ps(acc[p][o])));
+    }
+  }
+  for (int p = 0; p < NP; ++p) {
+    const int64_t r0 = (pass + p) * AMX_ROWS, m = std::min(AMX_ROWS, rows - r0);
+    write_rows(acc[p], offsets + r0, sp + o0, op + r0 * outs + o0, m, n_out, outs);
+  }
+}
+
 template <typename S>
 void w8a8_amx(const int8_t* xq, const float* xs, const float* offsets, const uint8_t* wp, const float* sp, S* op,
               int64_t rows, int64_t in, int64_t outs, int64_t block) {
@@ -497,23 +549,32 @@ void w8a8_amx(const int8_t* xq, const float* xs, const float* offsets, const uin
   const int64_t groups = (outs + AMX_OUTS - 1) / AMX_OUTS, passes = (rows + AMX_ROWS - 1) / AMX_ROWS;
   // the inputs as tiles, per pass of 16 rows: per chunk of 64 inputs, 16 groups of 4 for each of 16 rows
   // (rows past the last are 0); and the block scales, rows along the vector
-  std::vector<int32_t> xt(passes * chunks * 256, 0);
-  std::vector<float> st(passes * nb * AMX_ROWS, 0.f);
+  std::vector<int32_t> xt(passes * chunks * 256);
+  std::vector<float> st(passes * nb * AMX_ROWS);
   const int32_t* x4 = reinterpret_cast<const int32_t*>(xq);
-  for (int64_t r = 0; r < rows; ++r) {
-    int32_t* tiles = xt.data() + (r / AMX_ROWS) * chunks * 256;
-    const int64_t n = r % AMX_ROWS;
-    for (int64_t k = 0; k < in / 4; ++k) tiles[(k / 16) * 256 + (k % 16) * 16 + n] = x4[r * (in / 4) + k];
-    for (int64_t b = 0; b < nb; ++b) st[((r / AMX_ROWS) * nb + b) * AMX_ROWS + n] = xs[r * nb + b];
-  }
+  at::parallel_for(0, passes, 8, [&](int64_t begin, int64_t end) {  // a prompt's rows: both cores lay them out
+    for (int64_t pass = begin; pass < end; ++pass) {
+      int32_t* tiles = xt.data() + pass * chunks * 256;
+      float* scales = st.data() + pass * nb * AMX_ROWS;
+      const int64_t r0 = pass * AMX_ROWS, m = std::min(AMX_ROWS, rows - r0);
+      if (m < AMX_ROWS) {
+        std::fill(tiles, tiles + chunks * 256, 0);
+        std::fill(scales, scales + nb * AMX_ROWS, 0.f);
+      }
+      for (int64_t n = 0; n < m; ++n) {
+        const int32_t* row = x4 + (r0 + n) * (in / 4);
+        for (int64_t k = 0; k < in / 4; ++k) tiles[(k / 16) * 256 + (k % 16) * 16 + n] = row[k];
+        for (int64_t b = 0; b < nb; ++b) scales[b * AMX_ROWS + n] = xs[(r0 + n) * nb + b];
+      }
+    }
+  });
   // a group's weights (32 outputs x in: 48 KB for 1,536 inputs) stay in the core's cache while every pass
   // of rows goes over them: a prompt's 512 rows read the weights from memory once, not once per 16 rows
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     TileConfig cfg;
-    for (int t = 0; t < 5; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
     _tile_loadconfig(&cfg);
-    alignas(64) int32_t sums[AMX_OUTS][16];
-    alignas(64) float acc[AMX_OUTS][16];
+    alignas(64) float acc[2][AMX_OUTS][16];
     std::vector<uint8_t> padded;
     for (int64_t g = begin; g < end; ++g) {
       const int64_t o0 = g * AMX_OUTS, n_out = std::min(AMX_OUTS, outs - o0);
@@ -524,31 +585,14 @@ void w8a8_amx(const int8_t* xq, const float* xs, const float* offsets, const uin
         w = padded.data();
       }
       const uint8_t* next = g + 1 < end && o0 + 2 * AMX_OUTS <= outs ? wp + (o0 + AMX_OUTS) * in : nullptr;
-      for (int64_t pass = 0; pass < passes; ++pass) {
-        const int64_t r0 = pass * AMX_ROWS, m = std::min(AMX_ROWS, rows - r0);
-        const int32_t* tiles = xt.data() + pass * chunks * 256;
-        const uint8_t* ahead = pass + 1 == passes ? next : nullptr;  // fetched during the group's last pass
-        for (int64_t o = 0; o < AMX_OUTS; ++o) _mm512_store_ps(acc[o], _mm512_setzero_ps());
-        for (int64_t b = 0; b < nb; ++b) {
-          _tile_zero(0);
-          _tile_zero(1);
-          for (int64_t c = b * per_block; c < (b + 1) * per_block; ++c) {
-            if (ahead != nullptr)  // the next group's weights, a line per output per chunk
-              for (int64_t o = 0; o < AMX_OUTS; ++o) __builtin_prefetch(ahead + o * in + c * 64, 0, 2);
-            _tile_loadd(2, w + c * 64, in);
-            _tile_loadd(3, w + 16 * in + c * 64, in);
-            _tile_loadd(4, tiles + c * 256, 64);
-            _tile_dpbusd(0, 2, 4);
-            _tile_dpbusd(1, 3, 4);
-          }
-          _tile_stored(0, sums[0], 64);
-          _tile_stored(1, sums[16], 64);
-          const __m512 a = _mm512_loadu_ps(st.data() + (pass * nb + b) * AMX_ROWS);
-          for (int64_t o = 0; o < AMX_OUTS; ++o)
-            _mm512_store_ps(acc[o], _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[o])), a,
-                                                    _mm512_load_ps(acc[o])));
-        }
-        write_rows(acc, offsets + r0, sp + o0, op + r0 * outs + o0, m, n_out, outs);
+      for (int64_t pass = 0; pass < passes; pass += 2) {
+        const uint8_t* ahead = pass + 2 >= passes ? next : nullptr;  // fetched during the group's last passes
+        if (pass + 1 < passes)
+          amx_passes<2>(xt.data(), st.data(), w, ahead, offsets, sp, op, pass, rows, in, outs, o0, n_out, nb, chunks,
+                        per_block, acc);
+        else
+          amx_passes<1>(xt.data(), st.data(), w, ahead, offsets, sp, op, pass, rows, in, outs, o0, n_out, nb, chunks,
+                        per_block, acc);
       }
     }
     _tile_release();
@@ -590,10 +634,16 @@ at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tens
 #if defined(BOOSTTUNE_W8A8_SIMD)
   std::vector<int8_t> q(rows * in);
   std::vector<float> xs(rows * (in / block)), offsets(rows);
-  if (x.scalar_type() == at::kFloat)
-    quantize_rows(xc.data_ptr<float>(), rows, in, block, q.data(), xs.data(), offsets.data());
-  else
-    quantize_rows(xc.data_ptr<c10::BFloat16>(), rows, in, block, q.data(), xs.data(), offsets.data());
+  const int64_t nb = in / block;
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {  // rows apart: the same codes on any split
+    const int64_t n = end - begin;
+    if (x.scalar_type() == at::kFloat)
+      quantize_rows(xc.data_ptr<float>() + begin * in, n, in, block, q.data() + begin * in, xs.data() + begin * nb,
+                    offsets.data() + begin);
+    else
+      quantize_rows(xc.data_ptr<c10::BFloat16>() + begin * in, n, in, block, q.data() + begin * in,
+                    xs.data() + begin * nb, offsets.data() + begin);
+  });
 #if defined(BOOSTTUNE_W8A8_AMX)
   if (amx_ready()) {
     if (x.scalar_type() == at::kFloat)
