@@ -141,10 +141,12 @@ def test_w8a8_mm_computes_the_reference_and_each_row_alone(dtype, in_features) -
             assert torch.equal(torch.ops.boosttune_native.w8a8_mm(x[r : r + rows], packed, scales, block),
                                ours[r : r + rows])
     assert torch.equal(quantize.w8a8_mm(x, packed, scales), ours)
-    # a prompt's many rows (AMX: passes of 16 rows over each group's weights), the last pass partial
-    many = torch.cat([x] * 5 + [x[:4]]).to(dtype)  # 49 rows
-    out = torch.ops.boosttune_native.w8a8_mm(many, packed, scales, block)
-    assert torch.equal(out, torch.cat([ours] * 5 + [ours[:4]]))
+    # a prompt's many rows (AMX: passes of 16 rows over each group's weights, two at a time, the inputs laid
+    # out on every thread): an odd count of passes, the last partial; and enough rows to split across threads
+    for n in (33, 49, 200):
+        many = torch.cat([x] * (n // 9) + [x[: n % 9]]).to(dtype)
+        out = torch.ops.boosttune_native.w8a8_mm(many, packed, scales, block)
+        assert torch.equal(out, torch.cat([ours] * (n // 9) + [ours[: n % 9]]))
 
 
 @needs_native
