@@ -32,11 +32,12 @@ How:
   two graphs. Several requests over a pool of caches (``serving/pooled.py``, a batched step) run a
   second pair, the same layers with the pool's attention (``CompiledForward.pooled``; with 16 requests of
   one token over 150-token caches a step took 27.6 ms against 42.6 eager, AMX Xeon, bf16:
-  ``scripts/bench_step.py --batch 16 --cache 150 [--compile]``). With ``prefills`` (the LLM of a served
-  bundle: ``assemble.compile_served``) prompts into empty caches run compiled too, without the LM head, one
-  graph for a single request and one over a pool: a wave of 16 MT-bench prompts (1,319 tokens) took 0.56-0.61 s
-  against 0.85-0.93 eager, one prompt 28 ms against 50 (AMX Xeon, bf16, w8a8). Other forwards without logits
-  and masks with rows that see no key run the eager lean forward; they share the same caches.
+  ``scripts/bench_step.py --batch 16 --cache 150 [--compile]``). With ``prefills`` (the LLM of a batching
+  server: ``assemble.compile_served(batched=True)``) prompts into empty caches run compiled too, without the
+  LM head, one graph for a single request and one over a pool: a wave of 16 MT-bench prompts (1,319 tokens in
+  one forward) took 0.31-0.35 s against 0.40 eager, one prompt of 80 tokens 21 ms against 35, of 500 tokens 130
+  against 172 (AMX Xeon, bf16, w8a8; through the tree graph, with the LM head, 25 and 188). Other forwards
+  without logits and masks with rows that see no key run the eager lean forward; they share the same caches.
 - The weights are read once, when the graph's keys are registered: a compiled forward is for a
   frozen model (a model being served), never for a model in training.
 
@@ -61,7 +62,7 @@ from torch import Tensor
 
 from boosttune.serving import cpu_linear, native, quantize
 from boosttune.serving.lean import Feed, LeanRunner, Product, run_many
-from boosttune.serving.pooled import PooledStep, pooled_attention, sdpa
+from boosttune.serving.pooled import PooledStep, pooled_attention, prompt_attention, prompts_apart, sdpa
 from boosttune.serving.quantize import QuantLinear
 
 _LIB = torch.library.Library("boosttune", "DEF")
@@ -218,8 +219,9 @@ class CompiledForward(torch.nn.Module):
         """Several requests' prompts into their empty slots of a pool, without the LM head (``prefill``,
         ``pooled``); returns the (N, H) fp32 last hidden states (then the ``taps``)."""
         pool = step.pool
-        return self._pooled_prefill_fn(x, cos, sin, pool.keys, pool.values,
-                                       (step.write_slot, step.write_pos), (step.src, step.dst), step.mask, self._norms)
+        assert step.starts is not None, "a pooled prompt graph is for prompts into empty slots (PooledStep.starts)"
+        return self._pooled_prefill_fn(x, cos, sin, pool.keys, pool.values, (step.write_slot, step.write_pos),
+                                       (step.src, step.dst), step.mask, step.starts, self._norms)
 
     def pooled(self, x: Tensor, cos: Tensor, sin: Tensor, step: PooledStep) -> tuple[Tensor, Tensor]:
         """Several requests' forward over their caches' pool (``lean.run_many``): ``x`` (1, N, H) the
@@ -288,8 +290,12 @@ class CompiledForward(torch.nn.Module):
 
     def _pooled_prefill_forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor],
                                 writes: tuple[Tensor, Tensor], rows: tuple[Tensor, Tensor], mask: Tensor,
-                                norms: Tensor) -> Tensor:
+                                starts: Tensor, norms: Tensor) -> Tensor:
+        apart = prompts_apart(x, self._exact, self._native_attend)  # decided when traced: x's dtype is guarded
+
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            if apart:
+                return prompt_attention(keys[i], values[i], q, k, v, writes, starts, self._scale)
             return pooled_attention(keys[i], values[i], q, k, v, writes, rows, mask, self._scale, self._exact,
                                     self._native_attend)
 

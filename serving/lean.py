@@ -461,7 +461,8 @@ def run_many(feeds: Sequence[tuple[LeanRunner, Feed]]) -> list[tuple[Tensor | No
     # two tokens long (dynamo specialises a size of 1)
     prompts = (graph is not None and graph.prefills and not any(f.logits for _, f in feeds)
                and all(s0 == 0 for _, _, s0, _ in spans) and max(b - a for a, b, _, _ in spans) > 1)
-    if pooled is not None and graph is not None and (prompts or all(f.logits for _, f in feeds)):
+    if pooled is not None and graph is not None and ((prompts and pooled.starts is not None)
+                                                      or all(f.logits for _, f in feeds)):
         if prompts:  # (sum T, (1 + taps) H)
             logits, hidden = None, graph.pooled_prefill(x, cos, sin, pooled)
         else:  # (sum T, V), (sum T, (1 + taps) H)

@@ -48,6 +48,7 @@ def available() -> bool:
     torch.library.register_fake("boosttune_native::w8a8_mm")(_w8a8_mm_shape)
     torch.library.register_fake("boosttune_native::attend_rows")(_sdpa_shape)
     torch.library.register_fake("boosttune_native::attend")(_sdpa_shape)
+    torch.library.register_fake("boosttune_native::attend_prompts")(_prompts_shape)
     return True
 
 
@@ -77,6 +78,10 @@ def _w8a8_mm_shape(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, 
 
 def _sdpa_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+def _prompts_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(q)
 
 
 def _linear_shape(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:

@@ -923,6 +923,33 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scale);
 }
 
+at::Tensor attend_prompts(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& starts,
+                          double scale) {
+  // prompts fed one after another into empty caches: request b's rows starts[b] .. starts[b + 1] - 1 attend
+  // causally over their own keys, one call of torch's flash attention each (its causal path skips the
+  // blocks above the diagonal), where a pooled step pads every request to the longest prompt
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(0) == 1 && k.sizes() == v.sizes() &&
+              k.size(2) == q.size(2) && q.size(1) % k.size(1) == 0 && starts.dim() == 1 &&
+              starts.scalar_type() == at::kLong, "boosttune_native::attend_prompts: q (1, Q, N, C), k and v (1, G, N, C) "
+              "and (B + 1,) int64 starts expected; got q ", q.sizes(), ", k ", k.sizes(), ", starts ", starts.sizes());
+  const int64_t rep = q.size(1) / k.size(1), n = q.size(2);
+  const at::Tensor cuts = starts.cpu().contiguous();
+  const int64_t* cut = cuts.data_ptr<int64_t>();
+  TORCH_CHECK(cuts.numel() >= 1 && cut[0] == 0 && cut[cuts.numel() - 1] == n,
+              "boosttune_native::attend_prompts: starts must run from 0 to the ", n, " rows");
+  at::Tensor out = at::empty_like(q);
+  for (int64_t b = 0; b + 1 < cuts.numel(); ++b) {
+    const int64_t a = cut[b], t = cut[b + 1] - a;
+    TORCH_CHECK(t >= 0, "boosttune_native::attend_prompts: starts must not decrease");
+    if (t == 0) continue;
+    const at::Tensor kb = k.narrow(2, a, t), vb = v.narrow(2, a, t);
+    out.narrow(2, a, t).copy_(at::scaled_dot_product_attention(
+        q.narrow(2, a, t), rep == 1 ? kb : kb.repeat_interleave(rep, 1), rep == 1 ? vb : vb.repeat_interleave(rep, 1),
+        std::nullopt, 0.0, true, scale));
+  }
+  return out;
+}
+
 }  // namespace
 
 // put and drop are called from Python only (composite: any tensor, oneDNN's packed ones included); linear
@@ -938,6 +965,7 @@ TORCH_LIBRARY(boosttune_native, m) {
   m.def("w8a8_isa() -> str", &w8a8_isa);
   m.def("attend_rows(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+  m.def("attend_prompts(Tensor q, Tensor k, Tensor v, Tensor starts, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(boosttune_native, CPU, m) {
@@ -946,4 +974,5 @@ TORCH_LIBRARY_IMPL(boosttune_native, CPU, m) {
   m.impl("w8a8_mm", &w8a8_mm);
   m.impl("attend_rows", &attend_rows);
   m.impl("attend", &attend);
+  m.impl("attend_prompts", &attend_prompts);
 }

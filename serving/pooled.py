@@ -107,15 +107,18 @@ class PooledStep:
     and used by every layer (``plan``)."""
 
     def __init__(self, pool: KVPool, writes: tuple[Tensor, Tensor], rows: tuple[Tensor, Tensor],
-                 mask: Tensor):
+                 mask: Tensor, starts: Tensor | None = None):
         """``writes``: the (N,) slot and position of each fed token; ``rows``: the (width Tm,) fed row of
         each padded query row and the (N,) padded row of each fed row; ``mask``: (width, 1, rep Tm, Sm)
         bool. The step attends over slots 0 .. width - 1, idle ones included (their rows padding): one
-        shape fewer for the compiled graph, and a batch's requests hold the first slots."""
+        shape fewer for the compiled graph, and a batch's requests hold the first slots. ``starts``: where
+        every request feeds a prompt into an empty slot with a causal mask, the (B + 1,) first fed row of
+        each and N (``prompt_attention``); None otherwise."""
         self.pool = pool
         self.write_slot, self.write_pos = writes
         self.src, self.dst = rows
         self.mask = mask
+        self.starts = starts
 
     @property
     def width(self) -> int:
@@ -148,14 +151,19 @@ class PooledStep:
             dst += range(j, j + t)
             mask[slot, :t, :s] = full
         dev = pool.device
+        prompts = all(s0 == 0 and prefix_len == 0 and torch.equal(tree_mask.cpu(), torch.ones(b - a, b - a, dtype=torch.bool).tril())
+                      for _, prefix_len, tree_mask, a, b, s0, _ in feeds)
+        starts = torch.tensor([a for *_, a, _, _, _ in feeds] + [feeds[-1][4]], device=dev) if prompts else None
         return cls(pool, (torch.tensor(write_slot, device=dev), torch.tensor(write_pos, device=dev)),
-                   (src.to(dev), torch.tensor(dst, device=dev)), mask.to(dev).repeat(1, rep, 1).unsqueeze(1))
+                   (src.to(dev), torch.tensor(dst, device=dev)), mask.to(dev).repeat(1, rep, 1).unsqueeze(1), starts)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, exact: bool = False) -> Tensor:
         """Write the fed (1, G, N, C) keys ``k`` and values ``v`` into their slots of ``layer`` and attend
         with the (1, Q, N, C) queries ``q`` (``exact``: as ``sdpa``'s); returns (1, Q, N, C)."""
-        return pooled_attention(self.pool.keys[layer], self.pool.values[layer], q, k, v,
-                                (self.write_slot, self.write_pos), (self.src, self.dst), self.mask, scale, exact)
+        keys, values, writes = self.pool.keys[layer], self.pool.values[layer], (self.write_slot, self.write_pos)
+        if self.starts is not None and prompts_apart(q, exact):
+            return prompt_attention(keys, values, q, k, v, writes, self.starts, scale)
+        return pooled_attention(keys, values, q, k, v, writes, (self.src, self.dst), self.mask, scale, exact)
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, exact: bool = False,
@@ -212,6 +220,28 @@ def pooled_attention(keys: Tensor, values: Tensor, q: Tensor, k: Tensor, v: Tens
                native_ok, batched=True)
     att = att.reshape(width, qn, tm, c).transpose(0, 1).reshape(qn, width * tm, c)
     return att.index_select(1, dst).unsqueeze(0)
+
+
+def prompts_apart(q: Tensor, exact: bool, native_ok: bool | None = None) -> bool:
+    """Whether prompts fed into empty slots attend each over its own rows (``prompt_attention``): in bf16 on
+    the CPU where the native ops are built, as ``sdpa``'s ``batched`` path (fp32 keeps the pooled attention,
+    whose numerics the one-at-a-time path shares; ``native_ok`` as there)."""
+    if exact or q.dtype != torch.bfloat16 or q.device.type != "cpu":
+        return False
+    return native.available() if native_ok is None else native_ok
+
+
+def prompt_attention(keys: Tensor, values: Tensor, q: Tensor, k: Tensor, v: Tensor, writes: tuple[Tensor, Tensor],
+                     starts: Tensor, scale: float) -> Tensor:
+    """One layer's attention of prompts fed into empty slots (``PooledStep.starts``): writes the fed keys and
+    values as ``pooled_attention`` does, then each request's rows attend causally over its own fed keys
+    (``boosttune_native::attend_prompts``), where the pooled attention pads every request to the longest
+    prompt and reads it back from the slots. 16 MT-bench prompts of 52-138 tokens: 16 x 138 padded rows
+    where they hold 1,319. Returns (1, Q, N, C)."""
+    write_slot, write_pos = writes
+    keys[write_slot, :, write_pos] = k[0].transpose(0, 1)  # (N, G, C)
+    values[write_slot, :, write_pos] = v[0].transpose(0, 1)
+    return torch.ops.boosttune_native.attend_prompts(q, k, v, starts, scale)
 
 
 def shared_pool(runners: Sequence[LeanRunner]) -> KVPool | None:

@@ -271,3 +271,24 @@ def test_attend_is_attention_on_either_path(rows) -> None:
     torch.testing.assert_close(ours.double(), want, rtol=2e-2, atol=2e-2)
     if rows <= 9:
         assert torch.equal(ours, torch.ops.boosttune_native.attend_rows(q, k, v, mask, 0.125))
+
+
+@needs_native
+def test_prompts_attend_each_over_their_own_rows_in_a_graph_too() -> None:
+    """``attend_prompts`` (bf16 prompts fed into empty slots, one after another): each request's rows attend
+    causally over its own keys, as fp64 attention of that request alone; compiled (its fake kernel) the same."""
+    g = torch.Generator().manual_seed(3)
+    starts = torch.tensor([0, 5, 6, 23, 32])  # prompts of 5, 1, 17 and 9 tokens
+    q = torch.randn(1, 6, 32, 64, generator=g).bfloat16()  # 3 query heads per kv head
+    k = torch.randn(1, 2, 32, 64, generator=g).bfloat16()
+    v = torch.randn(1, 2, 32, 64, generator=g).bfloat16()
+    ours = torch.ops.boosttune_native.attend_prompts(q, k, v, starts, 0.125)
+    for a, b in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True):
+        want = F.scaled_dot_product_attention(q[:, :, a:b].double(), k[:, :, a:b].double().repeat_interleave(3, 1),
+                                              v[:, :, a:b].double().repeat_interleave(3, 1), is_causal=True, scale=0.125)
+        torch.testing.assert_close(ours[:, :, a:b].double(), want, rtol=2e-2, atol=2e-2)
+    graph = torch.compile(lambda *args: torch.ops.boosttune_native.attend_prompts(*args, 0.125) + 0, dynamic=True,
+                          fullgraph=True)
+    assert torch.equal(graph(q, k, v, starts), ours)
+    with pytest.raises(RuntimeError, match="starts must run from 0"):
+        torch.ops.boosttune_native.attend_prompts(q, k, v, starts[:-1], 0.125)

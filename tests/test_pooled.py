@@ -144,3 +144,30 @@ def test_caches_stay_longer_than_what_they_hold(llm):
         assert r._keys[0].shape[1] == 256
         r.forward_chain(torch.tensor([3]))  # 256 cached: the tensors grow
         assert r._keys[0].shape[1] > 256
+
+
+def test_prompts_into_empty_slots_attend_apart_in_bf16(llm):
+    """A bf16 wave of prompts into empty slots attends each prompt over its own rows (``prompt_attention``,
+    where the native ops are built), and leaves the caches and hidden states each prompt gets alone."""
+    model = tiny_llama(3, vocab=64, layers=2).to(torch.bfloat16)
+    base = LeanRunner(model)
+    pool = base.new_pool(4)
+    runners = [base.spawn(pool) for _ in range(4)]
+    prompts = [torch.arange(2, 2 + n) % 60 for n in (7, 1, 12, 4)]
+    feeds = [(r, Feed(p[None], torch.arange(p.numel())[None], 0, torch.ones(p.numel(), p.numel(), dtype=torch.bool).tril(),
+                      hidden=True, logits=False)) for r, p in zip(runners, prompts, strict=True)]
+    step = pooled.PooledStep.plan(pool, [(r, 0, f.tree_mask, a, a + f.inputs.shape[1], 0, f.inputs.shape[1])
+                                         for (r, f), a in zip(feeds, (0, 7, 8, 20), strict=True)], 2)
+    assert step is not None and step.starts.tolist() == [0, 7, 8, 20, 24]
+    outs = run_many(feeds)
+    for (r, _), p, (logits, hidden) in zip(feeds, prompts, outs, strict=True):
+        alone = LeanRunner(model)
+        assert logits is None
+        torch.testing.assert_close(hidden, alone.chain_hidden(p), rtol=3e-2, atol=3e-2)
+        nxt = torch.tensor([[5]])
+        at = torch.tensor([[p.numel()]])
+        torch.testing.assert_close(r.forward(nxt, at, p.numel(), torch.ones(1, 1, dtype=torch.bool)),
+                                   alone.forward(nxt, at, p.numel(), torch.ones(1, 1, dtype=torch.bool)), rtol=3e-2, atol=3e-2)
+    later = pooled.PooledStep.plan(pool, [(r, r.cached_len, torch.ones(1, 1, dtype=torch.bool), j, j + 1, r.cached_len,
+                                           r.cached_len + 1) for j, r in enumerate(runners)], 2)
+    assert later is not None and later.starts is None  # a step over filled caches pads as before
