@@ -210,7 +210,7 @@ class CompiledForward(torch.nn.Module):
     def prefill(self, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor],
                 mask: Tensor) -> Tensor:
         """A prompt's forward into an empty cache without the LM head: ``x`` (1, T, H) the embeddings of
-        positions 0 .. T - 1, ``mask`` their (rep T, T) folded causal mask; returns the (T, H) fp32 last
+        positions 0 .. T - 1, ``mask`` their (rep T, T) folded mask (a prompt's: causal); returns the (T, H) fp32 last
         hidden states (then the ``taps``). Only from an empty cache: dynamo's graph then holds the cache
         length equal to T for good, where a graph traced with the two equal recompiles when they differ."""
         return self._prefill_fn(x, cos, sin, keys, values, mask, self._norms)
