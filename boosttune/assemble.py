@@ -124,8 +124,8 @@ def quantize_drafters(engine: SpeculativeEngine, scheme: str) -> int:
 def compile_served(served: Served, batched: bool = False) -> float:
     """Compile the forward of ``served``'s LLM and of each drafter that runs the lean CPU forward (SSMs,
     feature heads; ``serving/compiled.py``), with their graphs, now (``batched``: also the LLM's graphs
-    for several requests at once, and for prompts: a server compiles once and serves for long, where a
-    one-shot ``generate`` would pay for two graphs more than its prompt saves); returns the seconds it took.
+    for several requests at once, and in bf16 for prompts: a server compiles once and serves for long, where
+    a one-shot ``generate`` would pay for two graphs more than its prompt saves); returns the seconds it took.
     Raises ValueError naming ``--compile`` where the LLM's forward cannot be compiled (not the lean CPU
     forward), before any compile work, or where inductor fails."""
     from boosttune.serving.compiled import compile_reason, compile_runner
@@ -140,7 +140,11 @@ def compile_served(served: Served, batched: bool = False) -> float:
             d.prepare(plan[name])  # the head its trees draft over, cut before its graphs are built
     drafters = [r for d in served.engine.drafters.values() if compile_reason(r := getattr(d, "runner", None)) is None]
     try:
-        return compile_runner(llm, pooled=batched, prefills=batched) + sum(compile_runner(r) for r in drafters)  # type: ignore[arg-type]
+        # prompts compiled only where output is not promised identical: in fp32 a prompt's cache must be what
+        # the one-at-a-time server's eager prompt makes (a fused norm rounds apart, and w8a8's input codes
+        # turn that into other blocks: fp32 w8a8 answers of 16 batched clients matched 0 of 32)
+        prompts = batched and llm.model.dtype != torch.float32  # type: ignore[attr-defined]
+        return compile_runner(llm, pooled=batched, prefills=prompts) + sum(compile_runner(r) for r in drafters)  # type: ignore[arg-type]
     except Exception as e:  # inductor's own errors (e.g. no C++ compiler): say which flag to drop
         for r in [llm, *drafters]:
             r.compiled = None  # type: ignore[attr-defined]

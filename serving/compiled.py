@@ -33,7 +33,7 @@ How:
   second pair, the same layers with the pool's attention (``CompiledForward.pooled``; with 16 requests of
   one token over 150-token caches a step took 27.6 ms against 42.6 eager, AMX Xeon, bf16:
   ``scripts/bench_step.py --batch 16 --cache 150 [--compile]``). With ``prefills`` (the LLM of a batching
-  server: ``assemble.compile_served(batched=True)``) prompts into empty caches run compiled too, without the
+  server in bf16: ``assemble.compile_served(batched=True)``) prompts into empty caches run compiled too, without the
   LM head, one graph for a single request and one over a pool: a wave of 16 MT-bench prompts (1,319 tokens in
   one forward) took 0.31-0.35 s against 0.40 eager, one prompt of 80 tokens 21 ms against 35, of 500 tokens 130
   against 172 (AMX Xeon, bf16, w8a8; through the tree graph, with the LM head, 25 and 188). Other forwards
