@@ -208,13 +208,11 @@ def pooled_attention(keys: Tensor, values: Tensor, q: Tensor, k: Tensor, v: Tens
     the fed (1, G, N, C) keys ``k`` and values ``v`` into the layer's (R, G, K, C) ``keys``/``values`` and
     attends with the (1, Q, N, C) queries ``q``. Sizes come from tensors, so that a compiled graph keeps
     them symbolic. ``exact``, ``native_ok``: as ``sdpa``'s. Returns (1, Q, N, C)."""
-    write_slot, write_pos = writes
     src, dst = rows
     qn, g, c = q.shape[1], k.shape[1], q.shape[3]
     width, rep = mask.shape[0], qn // g
     tm, sm = mask.shape[2] // rep, mask.shape[3]
-    keys[write_slot, :, write_pos] = k[0].transpose(0, 1)  # (N, G, C)
-    values[write_slot, :, write_pos] = v[0].transpose(0, 1)
+    _write(keys, values, k, v, writes)
     qp = q[0].index_select(1, src).view(qn, width, tm, c).transpose(0, 1)  # (width, Q, Tm, C)
     att = sdpa(qp.reshape(width, g, rep * tm, c), keys[:width, :, :sm], values[:width, :, :sm], mask, scale, exact,
                native_ok, batched=True)
@@ -238,10 +236,16 @@ def prompt_attention(keys: Tensor, values: Tensor, q: Tensor, k: Tensor, v: Tens
     (``boosttune_native::attend_prompts``), where the pooled attention pads every request to the longest
     prompt and reads it back from the slots. 16 MT-bench prompts of 52-138 tokens: 16 x 138 padded rows
     where they hold 1,319. Returns (1, Q, N, C)."""
+    _write(keys, values, k, v, writes)
+    return torch.ops.boosttune_native.attend_prompts(q, k, v, starts, scale)
+
+
+def _write(keys: Tensor, values: Tensor, k: Tensor, v: Tensor, writes: tuple[Tensor, Tensor]) -> None:
+    """The fed (1, G, N, C) keys ``k`` and values ``v`` into their (slot, position) ``writes`` of a layer's
+    (R, G, K, C) ``keys``/``values``."""
     write_slot, write_pos = writes
     keys[write_slot, :, write_pos] = k[0].transpose(0, 1)  # (N, G, C)
     values[write_slot, :, write_pos] = v[0].transpose(0, 1)
-    return torch.ops.boosttune_native.attend_prompts(q, k, v, starts, scale)
 
 
 def shared_pool(runners: Sequence[LeanRunner]) -> KVPool | None:
