@@ -224,6 +224,8 @@ class BoostConfig:
             learns the union's misses);
             ``independent``: every sample with its own seed (the ablation boosting must beat).
         match: the match criterion of ``match`` mode (and of the summaries' match rates in every mode).
+        warm_start: SSM k > 1 starts from SSM k-1's weights instead of the initial SSM: the stages' steps add
+            up in the later SSMs while each turns toward what the earlier ones miss.
         min_pool: if fewer samples are left in the pool, later stages train on all samples instead.
         quantile: ``quantile`` mode: the share of each stage's pool that leaves it (the best covered).
         covered_weight: ``weighted`` mode: the loss weight of a token the earlier SSMs cover (0: ignored).
@@ -235,6 +237,7 @@ class BoostConfig:
     num_ssms: int = 3
     mode: BoostMode = "match"
     match: MatchConfig = field(default_factory=MatchConfig)
+    warm_start: bool = False
     min_pool: int = 8
     quantile: float = 0.5
     covered_weight: float = 0.1

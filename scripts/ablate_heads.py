@@ -49,13 +49,23 @@ from boosttune.serving.draft_vocab import head_ids, load_ranking
 from boosttune.train.coverage import coverage_by_category
 
 
-def _coverage_script():
-    """scripts/coverage.py as a module (its LLM answers and teacher-forced ranks)."""
-    spec = importlib.util.spec_from_file_location("bt_coverage_script", Path(__file__).with_name("coverage.py"))
+def script_module(name: str):
+    """scripts/<name>.py as a module (coverage.py: its LLM answers and teacher-forced ranks)."""
+    spec = importlib.util.spec_from_file_location(f"bt_{name}_script", Path(__file__).with_name(f"{name}.py"))
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def answers_and_categories(cov_mod, llm, questions_file: str, limit: int, max_new: int) -> tuple[list, list[str]]:
+    """The LLM's greedy answers to the first ``limit`` questions (0: all) that have a prompt of two or more
+    tokens and an answer (``coverage.llm_answers``' tuples), and those questions' categories."""
+    questions = read_prompts(questions_file)[: limit or None]
+    print(f"the LLM's answers to {len(questions)} questions ...", flush=True)
+    answers = cov_mod.llm_answers(llm, questions, max_new, None, 16)
+    keep = [i for i, (prompt, tokens, _) in enumerate(answers) if tokens and len(prompt) >= 2]
+    return [answers[i] for i in keep], [questions[i].category for i in keep]
 
 
 def link_copy(src: Path, dst: Path) -> None:
@@ -150,10 +160,10 @@ def format_rows(rows: list[dict], k: int) -> str:
     return "\n".join(lines)
 
 
-def add_gains(report_path: Path, gains: dict) -> None:
-    """The boosted variant's report.json gains the ablation's relative gains under ``feature``."""
+def add_gains(report_path: Path, gains: dict, section: str = "feature") -> None:
+    """A boosted variant's report.json gains the ablation's relative gains under ``section``."""
     report = json.loads(report_path.read_text())
-    report["feature"] = {**(report.get("feature") or {}), **gains}
+    report[section] = {**(report.get(section) or {}), **gains}
     atomic_write_text(report_path, json.dumps(report, indent=2) + "\n")
 
 
@@ -196,18 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         d = out / "single"
         variants["single"] = (d, train_variant(args.run, d, 1, "weighted", budget(args.minutes, args.steps, args.heads)))
 
-    cov_mod = _coverage_script()
+    cov_mod = script_module("coverage")
     llm = load_model(str(RunDir(args.run).llm_dir()), dtype=torch.float32)
     report0 = json.loads((args.run / "report.json").read_text())
     tree = report0.get("tree") or {}
     k = args.top or int((tree.get("widths") or [1])[0])
     dv = int(report0["feature"]["config"].get("draft_vocab") or 0)
     rows = head_ids(load_ranking(RunDir(args.run).draft_vocab_path), dv, model_vocab_size(llm.model)) if dv else None
-    questions = read_prompts(args.questions)[: args.limit or None]
-    print(f"the LLM's answers to {len(questions)} questions ...", flush=True)
-    answers = cov_mod.llm_answers(llm, questions, args.max_new_tokens, None, 16)
-    keep = [i for i, (prompt, tokens, _) in enumerate(answers) if tokens and len(prompt) >= 2]
-    answers, categories = [answers[i] for i in keep], [questions[i].category for i in keep]
+    answers, categories = answers_and_categories(cov_mod, llm, args.questions, args.limit, args.max_new_tokens)
 
     table, figures = [], {}
     for name, (run, report) in variants.items():

@@ -171,6 +171,42 @@ def test_ablation_variants_share_the_run_but_not_its_heads_or_scheduler(tmp_path
     assert not script.reusable_single(src, 2.5, 0) and not script.reusable_single(src, 0, 200)
 
 
+# --------------------------------------------------------------------------- scripts/ablate_ssms.py
+def test_ssm_ablation_links_stage_one_only_where_its_record_does_not_steer_the_pool(tmp_path) -> None:
+    """Stage 1 trains on every sample with one seed in every mode, but what it leaves is stage 2's pool in
+    match and quantile modes: a variant links the source's stage 1 (not its checkpoints) only where that
+    record is unused or was made in the variant's own mode."""
+    script = load_script("ablate_ssms")
+    assert script.keeps_stage_one("weighted", "match") and script.keeps_stage_one("independent", "quantile")
+    assert script.keeps_stage_one("match", "match") and script.keeps_stage_one("quantile", "quantile")
+    assert not script.keeps_stage_one("quantile", "match") and not script.keeps_stage_one("match", "weighted")
+    src = tmp_path / "run"
+    for rel in ("ssm-init/model.safetensors", "stages/stage-1/match.json", "stages/stage-1/checkpoints/last.ckpt",
+                "stages/stage-2/match.json", "ssms/ssm-1/model.safetensors", "ssms/ssm-2/model.safetensors",
+                "ssms/feature/model.safetensors", "teacher/shard-00000.arrow"):
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(rel)
+    script.link_stage_one(src, tmp_path / "v")
+    kept = sorted(str(p.relative_to(tmp_path / "v")) for p in (tmp_path / "v").rglob("*") if p.is_file())
+    assert kept == ["ssm-init/model.safetensors", "ssms/ssm-1/model.safetensors", "stages/stage-1/match.json"]
+    assert (tmp_path / "v" / "ssms" / "ssm-1" / "model.safetensors").stat().st_ino == \
+        (src / "ssms" / "ssm-1" / "model.safetensors").stat().st_ino
+
+
+def test_ssm_ablation_gains_compare_each_boosted_union_with_both_baselines() -> None:
+    """Relative union coverage: over the independent ensemble, over one SSM trained N x as long, over the
+    variant's own best SSM; the baselines get no row of gains."""
+    script = load_script("ablate_ssms")
+    rows = [{"variant": "match", "coverage": [0.40, 0.30], "union_coverage": 0.48},
+            {"variant": "independent", "coverage": [0.40, 0.41], "union_coverage": 0.45},
+            {"variant": "single", "coverage": [0.42], "union_coverage": 0.42}]
+    g = script.gains_of(rows)
+    assert list(g) == ["match"]
+    assert g["match"]["ensemble_gain_over_independent"] == pytest.approx(0.48 / 0.45 - 1)
+    assert g["match"]["ensemble_gain_over_longer_single"] == pytest.approx(0.48 / 0.42 - 1)
+    assert g["match"]["ensemble_gain_over_best_single_questions"] == pytest.approx(0.48 / 0.40 - 1)
+
+
 def test_coverage_script_scores_a_runs_eagle3_head(tmp_path, capsys) -> None:
     """A run with an EAGLE-3 head (here untrained, from the tiny LLM's layers): the table gains an
     ``eagle3`` row beside the SSMs."""

@@ -404,6 +404,27 @@ def test_quantile_and_weighted_boosting(tiny_run: Path, tmp_path: Path, mode: st
         assert "train_covered_before" not in stages[0]
 
 
+def test_warm_start_trains_ssm_k_from_ssm_k_minus_1(tiny_run: Path, tmp_path: Path) -> None:
+    """``boost.warm_start``: stage 2 starts from SSM 1's weights, not the initial SSM's. With the tiny run's
+    trained SSM 1 linked in and a learning rate too small to move anything, SSM 2 comes out as SSM 1."""
+    import torch
+    from conftest import load_script
+    from safetensors.torch import load_file
+
+    run = tmp_path / "warm"
+    load_script("ablate_ssms").link_stage_one(tiny_run, run)
+    proc = train(run, f"teacher.reuse_from={tiny_run}", "boost.mode=weighted", "boost.num_ssms=2",
+                 "boost.warm_start=true", "optim.lr=1e-12", "eval.enabled=false")
+    ok(proc)
+    assert "stage 2/2: training on 48 of 48 samples (weighted, from SSM 1)" in proc.stdout
+    weights = {name: load_file(str(run / rel / "model.safetensors")) for name, rel in
+               (("init", "ssm-init"), ("ssm-1", "ssms/ssm-1"), ("ssm-2", "ssms/ssm-2"))}
+    moved = [n for n, t in weights["ssm-1"].items() if not torch.equal(t, weights["init"][n])]
+    assert moved  # SSM 1 trained away from the initial SSM
+    for n in moved:
+        assert torch.allclose(weights["ssm-2"][n], weights["ssm-1"][n], atol=1e-6), n
+
+
 def test_kill_during_teacher_keeps_whole_shards_and_ignores_the_half_written_one(tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = train(run, "boost.num_ssms=1", "eval.enabled=false", kill_at="teacher-shard-tmp:2")

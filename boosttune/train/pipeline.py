@@ -174,10 +174,11 @@ def reuse_teacher(cfg: TrainConfig, run: RunDir) -> None:
     # the prompts last: their marker says the reuse is complete
     for theirs, ours in ((src.teacher_dir, run.teacher_dir), (src.prompts_dir, run.prompts_dir)):
         shutil.rmtree(ours, ignore_errors=True)
-        shutil.copytree(theirs, ours, copy_function=_link_or_copy, ignore=shutil.ignore_patterns(".*.tmp"))
+        shutil.copytree(theirs, ours, copy_function=link_or_copy, ignore=shutil.ignore_patterns(".*.tmp"))
 
 
-def _link_or_copy(src: str, dst: str) -> None:
+def link_or_copy(src: str, dst: str) -> None:
+    """``shutil.copytree``'s copy function that hard-links (a copy where the file system cannot)."""
     try:
         os.link(src, dst)
     except OSError:
@@ -542,8 +543,10 @@ def run_stage(cfg: TrainConfig, run: RunDir, k: int, init_dir: Path, tokenizer, 
         samples = [replace(s, weights=w) for s, w in zip(samples, weights, strict=True)]
         covered_before = float((_flat(union) < kc).mean())
     t0 = time.perf_counter()
-    _log(f"stage {k}/{cfg.boost.num_ssms}: training on {len(pool)} of {len(train)} samples ({cfg.boost.mode})")
-    model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32).train()
+    _log(f"stage {k}/{cfg.boost.num_ssms}: training on {len(pool)} of {len(train)} samples ({cfg.boost.mode}"
+         + (f", from SSM {k - 1}" if cfg.boost.warm_start and k > 1 else "") + ")")
+    start = run.ssm_dir(k - 1) if cfg.boost.warm_start and k > 1 else init_dir
+    model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).train()
     model, stats = train_stage(model, samples, cfg, run.stage_dir(k), run.stage_checkpoint(k), pad_id,
                                seed=cfg.optim.seed + k, desc=f"stage {k}")
     model.eval()
