@@ -181,11 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     variants: dict[str, tuple[Path, dict]] = {}
-    extra = [f"boost.quantile={args.quantile}", f"boost.covered_weight={args.covered_weight}"]
-
     def settings(mode: str) -> dict:
         return {"quantile": args.quantile, "covered_weight": args.covered_weight,
                 "warm_start": args.warm_start and mode != "independent"}
+
+    def overrides(mode: str) -> list[str]:  # settings(mode) as `boosttune train` overrides
+        return [f"boost.{key}={str(v).lower() if isinstance(v, bool) else v}" for key, v in settings(mode).items()]
 
     def name(mode: str) -> str:
         return f"{mode}-warm" if settings(mode)["warm_start"] else mode
@@ -198,14 +199,12 @@ def main(argv: list[str] | None = None) -> int:
             variants[name(mode)] = (args.run, json.loads((args.run / "report.json").read_text()))
             continue
         link = first[0] if first is not None and keeps_stage_one(mode, first[1]) else None
-        warm = [f"boost.warm_start={str(settings(mode)['warm_start']).lower()}"]
         d = out / name(mode)
-        variants[name(mode)] = (d, train_variant(args.run, d, mode, n, steps, link, extra + warm))
+        variants[name(mode)] = (d, train_variant(args.run, d, mode, n, steps, link, overrides(mode)))
         first = first or (d, mode)
     variants = {name(m): variants[name(m)] for m in [*modes, "independent"]}  # the table's order
     d = out / "single"
-    variants["single"] = (d, train_variant(args.run, d, "independent", 1, n * steps, None,
-                                           extra + ["boost.warm_start=false"]))
+    variants["single"] = (d, train_variant(args.run, d, "independent", 1, n * steps, None, overrides("independent")))
 
     heads = ablate_heads_module()
     cov_mod = heads.script_module("coverage")

@@ -543,10 +543,10 @@ def run_stage(cfg: TrainConfig, run: RunDir, k: int, init_dir: Path, tokenizer, 
         samples = [replace(s, weights=w) for s, w in zip(samples, weights, strict=True)]
         covered_before = float((_flat(union) < kc).mean())
     t0 = time.perf_counter()
+    warm = cfg.boost.warm_start and k > 1  # SSM k starts from SSM k - 1
     _log(f"stage {k}/{cfg.boost.num_ssms}: training on {len(pool)} of {len(train)} samples ({cfg.boost.mode}"
-         + (f", from SSM {k - 1}" if cfg.boost.warm_start and k > 1 else "") + ")")
-    start = run.ssm_dir(k - 1) if cfg.boost.warm_start and k > 1 else init_dir
-    model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).train()
+         + (f", from SSM {k - 1}" if warm else "") + ")")
+    model = AutoModelForCausalLM.from_pretrained(run.ssm_dir(k - 1) if warm else init_dir, dtype=torch.float32).train()
     model, stats = train_stage(model, samples, cfg, run.stage_dir(k), run.stage_checkpoint(k), pad_id,
                                seed=cfg.optim.seed + k, desc=f"stage {k}")
     model.eval()
