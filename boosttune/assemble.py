@@ -259,19 +259,32 @@ def _stacked_ssms(
     return out
 
 
+STACK_MODES = ("auto", "on", "off")
+
+
+def stacks(mode: str, models: Sequence[PreTrainedModel]) -> bool:
+    """Whether SSMs draft stacked (``serving/stacked.py``) under ``--stack-ssms mode``: "on", "off", or
+    "auto": where an SSM carries low-rank factors over SSM 1 (``core/low_rank.py``), which is what they
+    were cut for."""
+    if mode not in STACK_MODES:
+        raise ValueError(f"--stack-ssms must be one of {', '.join(STACK_MODES)}, got {mode!r}")
+    return mode == "on" or mode == "auto" and any(getattr(m, "low_rank_delta", None) for m in models)
+
+
 def from_refs(
     llm: str, ssms: Sequence[str], tree: TreeConfig, *, dtype: str = "fp32", ssm_dtype: str | None = None,
-    draft_ranking: str | None = None, lookup: int = 0, device: str | torch.device = "cpu",
+    draft_ranking: str | None = None, lookup: int = 0, device: str | torch.device = "cpu", stack_ssms: str = "auto",
 ) -> Served:
     """Models named on the command line (``default``, a directory or a hub id), the SSMs as ssm-1 ..,
     each of the kind its directory declares, all on ``device``; ``draft_ranking``: the ranking for
-    ``tree.draft_vocab`` > 0 (None: found next to the first SSM)."""
+    ``tree.draft_vocab`` > 0 (None: found next to the first SSM); ``stack_ssms``: ``stacks``' mode."""
     device = resolve_device(device)
     ranking = ranking_for(tree.draft_vocab, draft_ranking, ssms)  # before any model loads
     loaded_llm, loaded = load_llm_and_ssms(llm, list(ssms), dtype, ssm_dtype or dtype, device=device)
     named = dict(zip(ssm_names(len(loaded)), loaded, strict=True))
     engine = engine_from_models(loaded_llm.model, {n: s.model for n, s in named.items()}, tree, ranking, lookup,
-                                kinds={n: s.kind for n, s in named.items()})
+                                kinds={n: s.kind for n, s in named.items()},
+                                stack_ssms=stacks(stack_ssms, [s.model for s in named.values()]))
     return Served(engine, loaded_llm, named, ranking)
 
 
@@ -286,7 +299,7 @@ def load_scheduler(bundle: LoadedBundle) -> Scheduler | None:
 
 def from_bundle(
     bundle: LoadedBundle, *, use_scheduler: bool = True, tree: TreeConfig | None = None, lookup: int | None = None,
-    ranking: Tensor | None = None,
+    ranking: Tensor | None = None, stack_ssms: str = "auto",
 ) -> Served:
     """What a bundle serves: each drafter (built by its kind) on its own tree, its draft vocabulary
     ranking, and its learned scheduler (unless ``use_scheduler`` is False) with the drafters it was
@@ -298,6 +311,7 @@ def from_bundle(
         tree: every model drafter's tree instead of its own (only where no scheduler decides).
         lookup: the prompt-lookup chain length instead of the bundle's (only where no scheduler decides).
         ranking: the draft vocabulary ranking instead of the bundle's.
+        stack_ssms: whether its SSMs draft stacked (``stacks``).
     """
     scheduler = load_scheduler(bundle) if use_scheduler else None
     if scheduler is not None and (tree is not None or lookup is not None):
@@ -317,14 +331,15 @@ def from_bundle(
                          "RUN_DIR (its training run) or re-export it")
     named = {d.name: bundle.models[d.name] for d in entries}
     engine = engine_from_models(bundle.llm.model, {n: s.model for n, s in named.items()}, trees, ranking, lookup,
-                                kinds={d.name: d.kind for d in entries}, lookup_depths=depths)
+                                kinds={d.name: d.kind for d in entries}, lookup_depths=depths,
+                                stack_ssms=stacks(stack_ssms, [s.model for s in named.values() if s is not None]))
     return Served(engine, bundle.llm, named, ranking, scheduler)
 
 
 def load(
     *, bundle: str | Path | None = None, llm: str | None = None, ssms: Sequence[str] = (), dtype: str = "fp32",
     ssm_dtype: str | None = None, tree: TreeConfig | None = None, draft_ranking: str | None = None,
-    lookup: int | None = None, use_scheduler: bool = True, device: str | torch.device = "cpu",
+    lookup: int | None = None, use_scheduler: bool = True, device: str | torch.device = "cpu", stack_ssms: str = "auto",
 ) -> Served:
     """Load and assemble what a command decodes with (`boosttune generate` and `bench`).
 
@@ -341,13 +356,14 @@ def load(
         lookup: prompt lookup's chain length (None: the bundle's default, else 0 = off).
         use_scheduler: plan requests with the bundle's learned scheduler, if it has one.
         device: where the models run (``core/device.py``), checked before anything loads.
+        stack_ssms: "auto", "on" or "off": whether the SSMs draft stacked (``stacks``).
     """
     device = resolve_device(device)
     if lookup is not None and lookup < 0:
         raise ValueError(f"--prompt-lookup must be >= 0 (0 = off), got {lookup}")
     if bundle is None:
         return from_refs(llm or "default", ssms, tree or TreeConfig(), dtype=dtype, ssm_dtype=ssm_dtype,
-                         draft_ranking=draft_ranking, lookup=lookup or 0, device=device)
+                         draft_ranking=draft_ranking, lookup=lookup or 0, device=device, stack_ssms=stack_ssms)
     if ssms:
         raise ValueError("--ssm cannot be combined with a bundle: the bundle's SSMs are used")
     loaded = load_bundle(bundle, llm=llm, dtype=dtype, ssm_dtype=ssm_dtype or dtype, device=device)
@@ -355,4 +371,5 @@ def load(
     if draft_ranking is not None:
         needs = [tree.draft_vocab] if tree is not None else [d.tree.draft_vocab for d in loaded.manifest.models]
         ranking = ranking_for(max(needs), draft_ranking, [])
-    return from_bundle(loaded, use_scheduler=use_scheduler, tree=tree, lookup=lookup, ranking=ranking)
+    return from_bundle(loaded, use_scheduler=use_scheduler, tree=tree, lookup=lookup, ranking=ranking,
+                       stack_ssms=stack_ssms)

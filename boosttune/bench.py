@@ -89,6 +89,7 @@ class BenchConfig:
             dtype's weights.
         recost: time the learned scheduler's costs again on the forward being served and take its fixed
             choice again (``assemble.recost_served``, ~15 s at start on the demo bundle).
+        stack_ssms: "auto", "on" or "off": whether the SSMs draft stacked (``assemble.stacks``).
     """
 
     questions: str
@@ -115,6 +116,7 @@ class BenchConfig:
     compile: bool = False
     quantize: str | None = None
     recost: bool = False
+    stack_ssms: str = "auto"
 
     def __post_init__(self) -> None:
         if self.methods is None:
@@ -296,6 +298,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     served = assemble.load(
         bundle=cfg.bundle, llm=cfg.llm, ssms=cfg.ssms, dtype=cfg.dtype, ssm_dtype=cfg.ssm_dtype, tree=cfg.tree,
         draft_ranking=cfg.draft_ranking, lookup=cfg.prompt_lookup, use_scheduler=cfg.use_scheduler, device=cfg.device,
+        stack_ssms=cfg.stack_ssms,
     )
     if cfg.quantize:
         assemble.quantize_served(served.engine, cfg.quantize)

@@ -226,6 +226,10 @@ class BoostConfig:
         match: the match criterion of ``match`` mode (and of the summaries' match rates in every mode).
         warm_start: SSM k > 1 starts from SSM k-1's weights instead of the initial SSM: the stages' steps add
             up in the later SSMs while each turns toward what the earlier ones miss.
+        delta_rank: > 0: after training, SSM k > 1 is cut to SSM 1 plus a rank-``delta_rank`` delta in every
+            layer matrix (the truncated SVD per stacked product, ``core/low_rank.py``), and saves the factors
+            beside its weights, so that the SSMs draft stacked with SSM 1's weights read once
+            (``--stack-ssms``); 0: full SSMs.
         min_pool: if fewer samples are left in the pool, later stages train on all samples instead.
         quantile: ``quantile`` mode: the share of each stage's pool that leaves it (the best covered).
         covered_weight: ``weighted`` mode: the loss weight of a token the earlier SSMs cover (0: ignored).
@@ -238,6 +242,7 @@ class BoostConfig:
     mode: BoostMode = "match"
     match: MatchConfig = field(default_factory=MatchConfig)
     warm_start: bool = False
+    delta_rank: int = 0
     min_pool: int = 8
     quantile: float = 0.5
     covered_weight: float = 0.1
@@ -756,6 +761,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(0 < b.quantile < 1, "boost.quantile", f"must be in (0, 1) (the share of each pool that leaves), got {b.quantile}")
     _check(0 <= b.covered_weight <= 1, "boost.covered_weight",
            f"must be in [0, 1] (1: no boosting, 0: covered tokens ignored), got {b.covered_weight}")
+    _check(b.delta_rank >= 0, "boost.delta_rank", f"must be >= 0 (0: full SSMs), got {b.delta_rank}")
     _check(b.top_k >= 0, "boost.top_k", f"must be >= 0 (0: the tree's first width), got {b.top_k}")
     if cfg.teacher.reuse_from:
         _check(RunDir(cfg.teacher.reuse_from).prompts_info() is not None, "teacher.reuse_from",

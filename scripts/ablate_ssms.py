@@ -65,7 +65,7 @@ def source_settings(src: Path) -> dict:
     cfg = load_config(src / "config.yaml")
     return {"mode": cfg.boost.mode, "ssms": cfg.boost.num_ssms, "steps": cfg.optim.max_steps,
             "quantile": cfg.boost.quantile, "covered_weight": cfg.boost.covered_weight,
-            "warm_start": cfg.boost.warm_start}
+            "warm_start": cfg.boost.warm_start, "delta_rank": cfg.boost.delta_rank}
 
 
 def keeps_stage_one(mode: str, source_mode: str) -> bool:
@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--covered-weight", type=float, default=0.1, help="weighted mode's weight of a covered token")
     p.add_argument("--warm-start", action="store_true",
                    help="boosted SSM k > 1 starts from SSM k-1 (boost.warm_start; variants named MODE-warm)")
+    p.add_argument("--delta-rank", type=int, default=0,
+                   help="boosted SSMs 2.. cut to SSM 1 plus rank-R deltas (boost.delta_rank; variants named MODE-rR)")
     p.add_argument("--questions", required=True, help="JSONL questions for the coverage figures (MT-bench's)")
     p.add_argument("--limit", type=int, default=0, help="the first N questions (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -169,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         p.error(f"--modes: {bad[0] if bad else 'nothing'} is not one of {', '.join(MODES)}")
-    if args.ssms == 1 or args.ssms < 0 or args.steps < 0 or args.limit < 0 or args.top < 0:
-        p.error("--ssms must be >= 2 (or 0), --steps, --limit and --top >= 0")
+    if args.ssms == 1 or args.ssms < 0 or args.steps < 0 or args.limit < 0 or args.top < 0 or args.delta_rank < 0:
+        p.error("--ssms must be >= 2 (or 0), --steps, --limit, --top and --delta-rank >= 0")
     if not 0 < args.quantile < 1 or not 0 <= args.covered_weight <= 1:
         p.error("--quantile must be in (0, 1), --covered-weight in [0, 1]")
     if not Path(args.questions).is_file():
@@ -182,14 +184,16 @@ def main(argv: list[str] | None = None) -> int:
 
     variants: dict[str, tuple[Path, dict]] = {}
     def settings(mode: str) -> dict:
+        boosted = mode != "independent"
         return {"quantile": args.quantile, "covered_weight": args.covered_weight,
-                "warm_start": args.warm_start and mode != "independent"}
+                "warm_start": args.warm_start and boosted, "delta_rank": args.delta_rank if boosted else 0}
 
     def overrides(mode: str) -> list[str]:  # settings(mode) as `boosttune train` overrides
         return [f"boost.{key}={str(v).lower() if isinstance(v, bool) else v}" for key, v in settings(mode).items()]
 
     def name(mode: str) -> str:
-        return f"{mode}-warm" if settings(mode)["warm_start"] else mode
+        cfg = settings(mode)
+        return mode + ("-warm" if cfg["warm_start"] else "") + (f"-r{cfg['delta_rank']}" if cfg["delta_rank"] else "")
 
     # a run whose stage 1 (trained for ``steps`` steps, in its mode) later variants may link
     first: tuple[Path, str] | None = (args.run, src["mode"]) if steps == src["steps"] else None

@@ -28,6 +28,10 @@ Usage:
 ``--shared-head`` adds a column: the stacked group (packed) of SSMs that share one LM head (and, tied,
 their embedding), whose head product ``StackedSSMs`` computes once over all members' rows: what
 drafters trained with a frozen shared head would cost.
+
+``--delta-rank R`` adds another: SSMs 2.. as SSM 1 plus rank-R deltas in every layer matrix
+(``core/low_rank.py``, what ``boost.delta_rank`` trains), sharing its frozen head: one product with
+SSM 1's weights over all members' rows plus the members' small products.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from boosttune.core.low_rank import cut_to_rank
 from boosttune.core.models import native_bf16
 from boosttune.serving.drafter import SSMDrafter
 from boosttune.serving.lean import drafter_runner
@@ -93,6 +98,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="one dtype only (default: both)")
     ap.add_argument("--shared-head", action="store_true", help="add SSMs sharing one LM head, stacked")
+    ap.add_argument("--delta-rank", type=int, default=0, help="add SSMs 2.. as SSM 1 plus rank-R deltas, stacked")
     ap.add_argument("--clock", choices=("cpu", "wall"), default=None,
                     help="cpu: this thread's CPU time; wall: wall time (default: cpu with one thread, else wall)")
     args = ap.parse_args()
@@ -106,10 +112,11 @@ def main() -> None:
           f"native bf16: {native_bf16()}, chain depth {args.depth}, prefix {args.prefix}, "
           f"{args.steps} timed steps, {clock_name} clock; ms per draft depth (median); ratio: to one separate "
           "SSM drafter of the same dtype and head\n")
-    extra = " shared-head packed ms | shared ratio |" if args.shared_head else ""
+    extra = (" shared-head packed ms | shared ratio |" if args.shared_head else "") + \
+        (f" rank-{args.delta_rank} ms | rank-{args.delta_rank} ratio |" if args.delta_rank else "")
     print("| dtype | head | N | separate ms | sep. ratio | stacked packed ms | packed ratio "
           f"| stacked bmm ms | bmm ratio |{extra}")
-    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if args.shared_head else ""))
+    print("|---|---|---|---|---|---|---|---|---|" + "---|---|" * (bool(args.shared_head) + bool(args.delta_rank)))
     base = ssm(0)
     ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))
     tree_of = {"49152": TreeConfig(widths=(1,) * args.depth), "8192": TreeConfig(widths=(1,) * args.depth,
@@ -128,6 +135,12 @@ def main() -> None:
             c.model, c.lm_head = body, models[0].lm_head
             body.embed_tokens = models[0].model.embed_tokens
             shared.append(c)
+        low = models[:1]
+        for m in models[1:] if args.delta_rank else ():  # SSM 1 plus rank-R deltas, its head and embedding
+            c = copy.deepcopy(m)
+            c.lm_head, c.model.embed_tokens = models[0].lm_head, models[0].model.embed_tokens
+            c.low_rank_delta, _ = cut_to_rank(models[0], c, args.delta_rank)
+            low.append(c)
         for head, tree in tree_of.items():
             one = None
             for n in range(1, args.n_max + 1):
@@ -139,18 +152,21 @@ def main() -> None:
                 }
                 if args.shared_head:
                     variants["shared"] = list(stacked_drafters(shared[:n], names, VOCAB, ranking, "packed").values())
+                if args.delta_rank:
+                    variants["low"] = list(stacked_drafters(low[:n], names, VOCAB, ranking, "packed").values())
                 # a group drafts all its members at a member's first call: time the group through one
-                for k in ("packed", "bmm", "shared")[: 3 if args.shared_head else 2]:
+                for k in [k for k in variants if k != "separate"]:
                     variants[k] = variants[k][:1]
                 ms = {k: 1e3 * v for k, v in time_steps(variants, tree, args.prefix, args.steps, clock).items()}
                 one = one or ms["separate"]
                 name = str(dtype).removeprefix("torch.")
                 print(f"| {name} | {head} | {n} | {ms['separate']:.2f} | {ms['separate'] / one:.2f} "
                       f"| {ms['packed']:.2f} | {ms['packed'] / one:.2f} | {ms['bmm']:.2f} | {ms['bmm'] / one:.2f} |"
-                      + (f" {ms['shared']:.2f} | {ms['shared'] / one:.2f} |" if args.shared_head else ""), flush=True)
+                      + (f" {ms['shared']:.2f} | {ms['shared'] / one:.2f} |" if args.shared_head else "")
+                      + (f" {ms['low']:.2f} | {ms['low'] / one:.2f} |" if args.delta_rank else ""), flush=True)
                 del variants
                 gc.collect()
-        del models, shared
+        del models, shared, low
         gc.collect()
 
 

@@ -328,6 +328,7 @@ def load_bundle(
             ``cuda:N``), checked before anything is read; dtype ``auto`` is resolved for it.
     """
     from boosttune.core.device import resolve_device
+    from boosttune.core.low_rank import load_factors
     from boosttune.core.models import LoadedModel, check_same_vocabulary, model_vocab_size, parse_dtype
 
     device = resolve_device(device)
@@ -350,6 +351,9 @@ def load_bundle(
             continue
         try:
             model = kinds.kind(entry.kind).load(root / entry.dir, ssm_torch_dtype, device, llm=llm_model)
+            factors = load_factors(root / entry.dir)  # an SSM cut to SSM 1 plus low-rank deltas
+            if factors is not None:
+                model.low_rank_delta = factors
         except (OSError, ValueError, RuntimeError, TypeError) as e:  # e.g. weights that do not fit the config
             raise BundleError(f"bundle directory {entry.dir}: the {entry.kind} drafter does not load ({e}); "
                               "re-export the bundle") from None

@@ -36,6 +36,7 @@ from boosttune.core.feature_head import FC_FILE, FEATURE_FILE, attach_fc
 from boosttune.core.feature_head import FORMAT as FEATURE_FORMAT
 from boosttune.core.feature_head import VERSION as FEATURE_VERSION
 from boosttune.core.kind_file import declared_kind
+from boosttune.core.low_rank import DELTA_FILE
 from boosttune.serving.drafter import Drafter, SSMDrafter
 from boosttune.serving.feature_drafter import FeatureDrafter
 from boosttune.serving.lookup import PromptLookupDrafter
@@ -68,7 +69,7 @@ class DrafterKind:
             raise ValueError(f"{directory}: no {_CONFIG}; a {self.name} drafter is a transformers model directory")
         if not any(p.suffix == ".safetensors" for p in directory.iterdir()):
             raise ValueError(f"{directory}: no *.safetensors weights for this {self.name} drafter")
-        self.check_model(directory)
+        self.check_model(directory, skip=(DELTA_FILE,))  # an SSM's low-rank factors (core/low_rank.py)
 
     @staticmethod
     def check_model(directory: Path, skip: tuple[str, ...] = ()) -> nn.Module:

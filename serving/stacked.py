@@ -12,6 +12,13 @@ only if drafting with N SSMs costs little more than with one. A small SSM's draf
 project's CPU is a few ms, much of it per-op work outside the matrix products (norms, rotary,
 attention, reshapes, the Python around them); N separate forwards repeat all of it N times.
 
+Members that differ from the first by low-rank deltas (``core/low_rank.py``, trained with
+``boost.delta_rank``) also share the weight reads: each product is the first member's weight with every
+member's ``A`` appended as rows (one packed product gives the first member's output and each member's
+``A x``), plus one product of all members' ``B`` over each row's own ``A x``. Measured on this project's
+CPU (``scripts/bench_stacked.py --delta-rank 64``, bf16, 8,192-row head): 3 such SSMs draft at 1.46x one
+SSM's cost, against 2.47x stacked with full weights and 3.0x separately.
+
 Design: :class:`StackedSSMs` holds the N models' weights per layer (fused q/k/v and gate/up as in
 ``lean.py``), their N KV caches as one (M, G, S, C) cache per layer, and runs ONE forward for all N
 drafters at each depth: every non-product op runs once over an (M, R, ...) batch, every product is a
@@ -57,6 +64,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from boosttune.core.low_rank import Factors, rebuilds
 from boosttune.serving import cpu_linear
 from boosttune.serving.builders import choose_children, subtree
 from boosttune.serving.drafter import Features, Replay, SSMDrafter, draft_probs
@@ -98,31 +106,105 @@ def stack_reason(models: Sequence[PreTrainedModel], names: Sequence[str]) -> str
 class _StackedLinear:
     """M bias-free linear maps of one shape applied to M inputs: (M, R, I) → (M, R, O).
 
-    Where all M weights are one tensor (SSMs sharing a module, e.g. one frozen LM head), the map is one
-    product over all M R rows: the weight, the costly part of a few-row product, is read once.
+    Where all M weights are one tensor, or equal (SSMs sharing a module, e.g. one frozen LM head), the
+    map is one product over all M R rows: the weight, the costly part of a few-row product, is read
+    once. Where ``deltas`` gives members 1.. as member 0's weight plus ``B @ A`` (``core/low_rank.py``),
+    it is one product with every member's ``A`` appended to member 0's weight as rows, and one with all
+    members' ``B`` over each row's own ``A x`` (the others masked out): two products, whatever M.
     """
 
-    def __init__(self, weights: list[Tensor], products: str):
+    def __init__(self, weights: list[Tensor], products: str, deltas: list[tuple[Tensor, Tensor]] | None = None):
+        """``deltas``: (A (R, I), B (O, R)) for each member after the first (None: full weights)."""
         self.products = products
-        self.shared = all(w is weights[0] or (w.data_ptr() == weights[0].data_ptr() and w.shape == weights[0].shape
-                                              and w.stride() == weights[0].stride()) for w in weights)
+        w0 = weights[0]
+        self.shared = all(w is w0 or (w.data_ptr() == w0.data_ptr() and w.shape == w0.shape
+                                      and w.stride() == w0.stride()) or torch.equal(w, w0) for w in weights)
+        self.low_rank: tuple[Tensor, Tensor] | None = None
+        if not self.shared and deltas is not None:
+            self.rank = rank = max(a.shape[0] for a, _ in deltas)
+            a_all = w0.new_zeros(len(deltas) * rank, w0.shape[1])  # (M-1) R rows, each member's padded to R
+            b_all = w0.new_zeros(w0.shape[0], len(deltas) * rank)  # (O, (M-1) R)
+            for j, (a, b) in enumerate(deltas):
+                a_all[j * rank : j * rank + a.shape[0]] = a.to(w0.dtype)
+                b_all[:, j * rank : j * rank + b.shape[1]] = b.to(w0.dtype)
+            self.low_rank, self.shared = (a_all, b_all), True
+            self._masks: dict[int, Tensor] = {}
         if self.shared:
             weights = weights[:1]
         if products == "packed":
+            if self.low_rank is not None:  # one product gives member 0's outputs and every member's A x
+                weights = [torch.cat([w0, self.low_rank[0]])]
+                self.packed_b = cpu_linear.pack(self.low_rank[1])
             self.packed = [cpu_linear.pack(w) for w in weights]  # each (O, I), oneDNN's blocked layout
         else:
             self.wt = torch.stack([w.t() for w in weights]).contiguous()  # (M, I, O), (1, I, O) shared
 
+    def _mask(self, m: int, r: int) -> Tensor:
+        """(M R, (M-1) R_delta): 1 where a row's member owns the column of ``A x`` (its own delta's)."""
+        if r not in self._masks:
+            rank, dev = self.rank, self.low_rank[0].device  # type: ignore[index]
+            row = torch.arange(m, device=dev).repeat_interleave(r)  # each row's member
+            col = torch.arange((m - 1) * rank, device=dev) // rank + 1  # each column's member
+            self._masks[r] = (row[:, None] == col[None, :]).to(self.low_rank[0].dtype)  # type: ignore[index]
+        return self._masks[r]
+
     def __call__(self, x: Tensor) -> Tensor:
         m, r, i = x.shape
         if self.shared:
-            flat = x.reshape(1, m * r, i)  # (1, M R, I)
-            out = cpu_linear.packed_linear(flat[0], self.packed[0]) if self.products == "packed" else \
-                torch.bmm(flat, self.wt)[0]
-            return out.view(m, r, -1)  # (M, R, O)
+            flat = x.reshape(m * r, i)  # (M R, I)
+            if self.low_rank is None:
+                out = cpu_linear.packed_linear(flat, self.packed[0]) if self.products == "packed" else \
+                    torch.mm(flat, self.wt[0])
+                return out.view(m, r, -1)  # (M, R, O)
+            a_all, b_all = self.low_rank
+            o = b_all.shape[0]
+            if self.products == "packed":  # W x and every A x in one product, then B over each row's own A x
+                y = cpu_linear.packed_linear(flat, self.packed[0])  # (M R, O + (M-1) R_delta)
+                out = y[:, :o] + cpu_linear.packed_linear(y[:, o:] * self._mask(m, r), self.packed_b)
+            else:
+                out = torch.mm(flat, self.wt[0]) + torch.mm(torch.mm(flat, a_all.t()) * self._mask(m, r), b_all.t())
+            return out.view(m, r, o)
         if self.products == "packed":
             return torch.stack([cpu_linear.packed_linear(x[j], p) for j, p in enumerate(self.packed)])
         return torch.bmm(x, self.wt)  # (M, R, O)
+
+
+def _fused_deltas(
+    parts: list[list[Tensor]], factors: list[Factors], names: list[list[str]],
+) -> list[tuple[Tensor, Tensor]] | None:
+    """Members 1..'s deltas from member 0 of a product whose weight is ``parts`` concatenated by rows
+    (q, k, v fused), as one (A, B) each: per part, zero where it equals member 0's, its factors where
+    they rebuild it (``low_rank.rebuilds``); None where any part of any member is neither. Parts that
+    share one ``A`` (cut together, ``low_rank.cut_to_rank``) keep it: B's rows stacked; others are
+    fused block-diagonally."""
+    out = []
+    for j in range(1, len(parts)):
+        pairs: list[tuple[Tensor, Tensor] | None] = []
+        for p0, p, name in zip(parts[0], parts[j], names[j], strict=True):
+            if torch.equal(p, p0):
+                pairs.append(None)
+                continue
+            ab = factors[j].get(name)
+            if ab is None or not rebuilds(p0, p, *ab):
+                return None
+            pairs.append(ab)
+        given = [ab for ab in pairs if ab is not None]
+        if not given:  # this member's weights are member 0's
+            out.append((parts[j][0].new_zeros(0, parts[j][0].shape[1], dtype=torch.float32),
+                        parts[j][0].new_zeros(sum(p.shape[0] for p in parts[j]), 0, dtype=torch.float32)))
+            continue
+        if all(torch.equal(a, given[0][0]) for a, _ in given):  # one A: stack the B rows
+            a = given[0][0].float()
+            bs = [ab[1].float() if ab else p.new_zeros(p.shape[0], a.shape[0], dtype=torch.float32)
+                  for ab, p in zip(pairs, parts[j], strict=True)]
+            out.append((a, torch.cat(bs)))
+            continue
+        a_parts = [ab[0].float() if ab else p.new_zeros(0, p.shape[1], dtype=torch.float32)
+                   for ab, p in zip(pairs, parts[j], strict=True)]
+        b_parts = [ab[1].float() if ab else p.new_zeros(p.shape[0], 0, dtype=torch.float32)
+                   for ab, p in zip(pairs, parts[j], strict=True)]
+        out.append((torch.cat(a_parts), torch.block_diag(*b_parts)))  # (sum R, I), (sum O, sum R)
+    return out
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -186,13 +268,19 @@ class StackedSSMs:
         bodies = [m.base_model for m in models]
         self._rotary = bodies[0].rotary_emb  # one config: one rotary table
         self._scale = bodies[0].layers[0].self_attn.scaling if bodies[0].layers else 1.0
+        factors = [getattr(m, "low_rank_delta", None) or {} for m in models]  # core/low_rank.py
+        param_names = [{id(p): n for n, p in m.named_parameters()} for m in models]
         with torch.no_grad():
             embed = torch.stack([b.embed_tokens.weight.detach() for b in bodies])  # (M, V, H)
             self._embed = embed.reshape(-1, embed.shape[-1])  # (M V, H): one lookup for all members
             self._rows = embed.shape[1]
 
-            def stacked(get) -> _StackedLinear:
-                return _StackedLinear([get(b).detach() for b in bodies], products)
+            def stacked(get) -> _StackedLinear:  # get(body): the weights fused into one product, by rows
+                params = [list(get(b)) for b in bodies]
+                parts = [[w.detach() for w in ws] for ws in params]
+                names = [[param_names[j].get(id(w), "") for w in ws] for j, ws in enumerate(params)]
+                weights = [torch.cat(ws) if len(ws) > 1 else ws[0] for ws in parts]
+                return _StackedLinear(weights, products, _fused_deltas(parts, factors, names))
 
             def norm(get) -> Tensor:
                 return torch.stack([get(b).detach() for b in bodies]).unsqueeze(1)  # (M, 1, H)
@@ -207,12 +295,11 @@ class StackedSSMs:
 
                 self._layers.append(dict(
                     ln1=norm(lambda b, i=i: b.layers[i].input_layernorm.weight),
-                    qkv=stacked(lambda b: torch.cat([attn(b).q_proj.weight, attn(b).k_proj.weight,
-                                                     attn(b).v_proj.weight])),
-                    o=stacked(lambda b: attn(b).o_proj.weight),
+                    qkv=stacked(lambda b: [attn(b).q_proj.weight, attn(b).k_proj.weight, attn(b).v_proj.weight]),
+                    o=stacked(lambda b: [attn(b).o_proj.weight]),
                     ln2=norm(lambda b, i=i: b.layers[i].post_attention_layernorm.weight),
-                    gate_up=stacked(lambda b: torch.cat([mlp(b).gate_proj.weight, mlp(b).up_proj.weight])),
-                    down=stacked(lambda b: mlp(b).down_proj.weight),
+                    gate_up=stacked(lambda b: [mlp(b).gate_proj.weight, mlp(b).up_proj.weight]),
+                    down=stacked(lambda b: [mlp(b).down_proj.weight]),
                 ))
             self._norm = norm(lambda b: b.norm.weight)
             self._full_head = _StackedLinear([m.get_output_embeddings().weight.detach() for m in models], products)

@@ -751,3 +751,39 @@ def test_tree_limits_are_one_place_and_admit_the_shipped_trees():
                 {"kind": "dynamic", "topk": 64, "depth": 8}, {"kind": "dynamic", "budget": MAX_TREE_NODES + 1}):
         with pytest.raises(ValueError, match="tree"):
             TreeConfig(**bad)
+
+
+def test_low_rank_ssms_travel_in_the_bundle_and_draft_stacked(tmp_path):
+    """An SSM saved as SSM 1 plus rank-2 deltas with its factors (``boost.delta_rank``): the bundle carries
+    and hashes the factor file, loading gives the model its factors, and a stacked engine drafts it with
+    SSM 1's weights read once; the output stays plain decoding's."""
+    from transformers import AutoModelForCausalLM
+
+    from boosttune.assemble import engine_from_models
+    from boosttune.core.low_rank import DELTA_FILE, cut_to_rank, save_factors
+    from boosttune.serving.decode import incremental_generate
+    from boosttune.serving.stops import StopCriteria
+    from boosttune.serving.tree import TreeConfig
+
+    run = make_run_dir(tmp_path / "run", n_ssms=2)
+    ssm2 = RunDir(run).ssm_dir(2)
+    first = AutoModelForCausalLM.from_pretrained(RunDir(run).ssm_dir(1))
+    second = AutoModelForCausalLM.from_pretrained(ssm2)
+    second.model.embed_tokens, second.lm_head = first.model.embed_tokens, first.lm_head  # frozen, shared
+    factors, _ = cut_to_rank(first, second, 2)
+    second.save_pretrained(ssm2)
+    save_factors(ssm2, factors)
+    out = export_bundle(run, tmp_path / "bundle").bundle
+    files = _manifest(out)["files"]
+    assert f"ssms/ssm-2/{DELTA_FILE}" in files and f"ssms/ssm-1/{DELTA_FILE}" not in files
+    loaded = load_bundle(out)
+    assert not hasattr(loaded.models["ssm-1"].model, "low_rank_delta")
+    assert set(loaded.models["ssm-2"].model.low_rank_delta) == set(factors)
+    llm = loaded.llm.model
+    engine = engine_from_models(llm, {n: m.model for n, m in loaded.models.items()}, TreeConfig(widths=(2, 1)),
+                                stack_ssms=True)
+    group = engine.drafters["ssm-1"].group
+    assert all(ly[n].low_rank is not None for ly in group._layers for n in ("qkv", "o", "gate_up", "down"))
+    assert group._full_head.shared
+    prompt, stop = [5, 9, 13, 2, 7], StopCriteria(max_new_tokens=16)
+    assert engine.generate(prompt, stop).tokens == incremental_generate(llm, prompt, stop).tokens

@@ -9,6 +9,7 @@ import torch
 from conftest import perturbed, tiny_llama
 
 from boosttune.assemble import engine_from_models
+from boosttune.core.low_rank import cut_to_rank
 from boosttune.serving.builders import merge_trees
 from boosttune.serving.decode import incremental_generate
 from boosttune.serving.drafter import SSMDrafter
@@ -166,3 +167,45 @@ def test_differing_shapes_and_trees_are_refused_by_name(llm):
     eng = SpeculativeEngine(llm_runner(llm), members, plan)
     with pytest.raises(ValueError, match=r"one tree per step: a drafted \[2,1\] but b asks for \[3\]"):
         eng.generate([3, 4, 5], StopCriteria(max_new_tokens=4))
+
+
+def _low_rank_members(llm, rank: int):
+    """Three SSMs whose layer matrices are SSM a's plus rank-``rank`` deltas, with their factors attached
+    as a loaded SSM directory with ``delta.safetensors`` has them (norms and embeddings stay their own)."""
+    ssms = _ssms(llm, 3)
+    for m in ssms[1:]:
+        m.low_rank_delta, _ = cut_to_rank(ssms[0], m, rank)
+    return ssms
+
+
+@pytest.mark.parametrize("products", ["packed", "bmm"])
+def test_low_rank_members_draft_with_one_base_product_and_the_same_trees(llm, products):
+    """Members given as SSM a plus low-rank factors: every layer product is SSM a's weight read once over
+    all rows plus the members' small products, and the trees stay the separate drafters' (the same
+    weights, summed in another order)."""
+    group = _compare(llm, _low_rank_members(llm, 4), TREES[0], products)
+    for ly in group._layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            assert ly[name].shared and ly[name].low_rank is not None, name
+    a_all, b_all = group._layers[0]["qkv"].low_rank
+    assert a_all.shape[0] == b_all.shape[1] == 2 * 4  # two members; q, k and v cut together: one A of rank 4
+
+
+def test_factors_that_do_not_rebuild_the_weights_are_not_used(llm):
+    """A member whose factors belong to other weights drafts with its own full weights."""
+    ssms = _low_rank_members(llm, 4)
+    ssms[2].low_rank_delta = ssms[1].low_rank_delta
+    group = _compare(llm, ssms, TREES[0], "packed")
+    assert all(ly[n].low_rank is None and not ly[n].shared for ly in group._layers for n in ("qkv", "down"))
+
+
+def test_stack_modes_stack_low_rank_ssms_by_default(llm):
+    """``--stack-ssms auto`` stacks SSMs that carry low-rank factors and leaves full ones separate; ``on`` and
+    ``off`` decide alone; another word is refused naming the flag."""
+    from boosttune.assemble import stacks
+
+    plain, cut = _ssms(llm, 2), _low_rank_members(llm, 2)
+    assert stacks("auto", cut) and not stacks("auto", plain)
+    assert stacks("on", plain) and not stacks("off", cut)
+    with pytest.raises(ValueError, match="--stack-ssms"):
+        stacks("always", plain)

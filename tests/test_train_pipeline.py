@@ -425,6 +425,38 @@ def test_warm_start_trains_ssm_k_from_ssm_k_minus_1(tiny_run: Path, tmp_path: Pa
         assert torch.allclose(weights["ssm-2"][n], weights["ssm-1"][n], atol=1e-6), n
 
 
+def test_delta_rank_saves_later_ssms_as_ssm_1_plus_low_rank_deltas(tiny_run: Path, tmp_path: Path) -> None:
+    """``boost.delta_rank``: SSM 2 and 3 come out as SSM 1 plus rank-2 deltas in every layer matrix, their
+    factors beside their weights rebuild them, and what the stage scored is what was saved."""
+    import torch
+    from conftest import load_script
+    from safetensors.torch import load_file
+
+    from boosttune.core.low_rank import DELTA_FILE, is_layer_matrix, load_factors, rebuilds
+
+    run = tmp_path / "delta"
+    load_script("ablate_ssms").link_stage_one(tiny_run, run)
+    proc = train(run, f"teacher.reuse_from={tiny_run}", "boost.mode=weighted", "boost.num_ssms=3",
+                 "boost.warm_start=true", "boost.delta_rank=2", "eval.enabled=false")
+    ok(proc)
+    assert "stage 2: cut to SSM 1 plus rank-2 deltas" in proc.stdout
+    assert not (run / "ssms" / "ssm-1" / DELTA_FILE).exists()
+    first = load_file(str(run / "ssms" / "ssm-1" / "model.safetensors"))
+    layer = [n for n, t in first.items() if is_layer_matrix(n, t)]
+    assert layer
+    for k in (2, 3):
+        weights = load_file(str(run / "ssms" / f"ssm-{k}" / "model.safetensors"))
+        factors = load_factors(run / "ssms" / f"ssm-{k}")
+        assert set(factors) == set(layer)
+        for n in layer:
+            assert torch.linalg.matrix_rank(weights[n] - first[n], atol=1e-5) <= 2, n
+            assert rebuilds(first[n], weights[n], *factors[n]), n
+        assert torch.equal(factors["model.layers.0.self_attn.q_proj.weight"][0],
+                           factors["model.layers.0.self_attn.v_proj.weight"][0])  # q, k, v cut together
+        stats = json.loads((run / "ssms" / f"ssm-{k}" / "stats.json").read_text())
+        assert stats["delta_rank"] == 2 and 0 < stats["delta_energy_kept"] <= 1
+
+
 def test_kill_during_teacher_keeps_whole_shards_and_ignores_the_half_written_one(tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = train(run, "boost.num_ssms=1", "eval.enabled=false", kill_at="teacher-shard-tmp:2")

@@ -58,7 +58,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ssm_dtype=args.ssm_dtype, tree=tree_override(args), chat=not args.no_chat, draft_ranking=args.draft_ranking,
         prompt_lookup=args.prompt_lookup, methods=methods, llama_server=args.llama_server, llm_gguf=args.llm_gguf,
         draft_gguf=args.draft_gguf, eagle3_gguf=args.eagle3_gguf, llama_draft_max=args.llama_draft_max, device=args.device,
-        compile=args.compile, quantize=args.quantize, recost=args.recost,
+        compile=args.compile, quantize=args.quantize, recost=args.recost, stack_ssms=args.stack_ssms,
     )
     try:
         with sigterm_exits():

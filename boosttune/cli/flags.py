@@ -174,6 +174,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the token ranking for --draft-vocab (draft_vocab.json or its run directory; default: "
                         "the bundle's, or found next to the first --ssm or in its run directory)")
     add_prompt_lookup_arg(p, default="the bundle's, else off")
+    p.add_argument("--stack-ssms", choices=("auto", "on", "off"), default="auto",
+                   help="draft the SSMs of one shape in one batched forward per depth: auto (default) where they "
+                        "carry low-rank factors over SSM 1 (boost.delta_rank: SSM 1's weights read once for all), "
+                        "on, or off (each drafts separately); the output is the same either way")
 
 
 def add_bundle_args(p: argparse.ArgumentParser, positional: bool) -> None:
@@ -218,7 +222,7 @@ def assemble_from_args(args: argparse.Namespace) -> Served:
     served = assemble.load(
         bundle=args.bundle, llm=args.llm, ssms=ssm_refs(args), dtype=args.dtype, ssm_dtype=args.ssm_dtype,
         tree=tree_override(args), draft_ranking=args.draft_ranking, lookup=args.prompt_lookup,
-        use_scheduler=not args.no_scheduler, device=args.device,
+        use_scheduler=not args.no_scheduler, device=args.device, stack_ssms=args.stack_ssms,
     )
     if args.quantize:
         assemble.quantize_served(served.engine, args.quantize)

@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from boosttune.core.feature_head import attach_fc, is_feature_dir
 from boosttune.core.files import is_complete, mark_complete, sha256_file
 from boosttune.core.kind_file import declared_kind
+from boosttune.core.low_rank import load_factors
 
 DEFAULT_LLM = "smollm2-135m-instruct"
 _DEFAULT_ALIASES = frozenset({"default", DEFAULT_LLM})
@@ -374,14 +375,18 @@ def check_same_vocabulary(
 
 def load_ssms(llm: LoadedModel, refs: Sequence[str | Path], dtype: torch.dtype | str) -> list[LoadedModel]:
     """The drafters ``refs`` name, for an LLM already loaded, on the LLM's device: each one's vocabulary
-    checked against the LLM's before any decoding, and its kind as its directory declares it
-    (``core/kind_file.py``)."""
+    checked against the LLM's before any decoding, its kind as its directory declares it
+    (``core/kind_file.py``), and its low-rank factors over SSM 1 where it has them (``core/low_rank.py``;
+    the model's ``low_rank_delta``, which stacked drafting reads)."""
     ssms = [load_model(str(ref), dtype=dtype, device=llm.model.device) for ref in refs]
     for ref, ssm in zip(refs, ssms, strict=True):
         check_same_vocabulary(
             llm.tokenizer, ssm.tokenizer, model_vocab_size(llm.model), model_vocab_size(ssm.model), str(ref)
         )
         ssm.kind = declared_kind(ssm.path)
+        factors = load_factors(ssm.path) if Path(ssm.path).is_dir() else None
+        if factors is not None:
+            ssm.model.low_rank_delta = factors
     return ssms
 
 

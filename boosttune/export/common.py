@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from boosttune.core.files import MARKER, is_complete
+from boosttune.core.low_rank import DELTA_FILE
 from boosttune.core.rundir import RunDir
 
 STATS = "stats.json"
@@ -72,9 +73,10 @@ class CheckedSSM:
 
 
 def weight_files(src: Path) -> list[str]:
-    """The safetensors weight files (and shard index) of a ``save_pretrained`` directory."""
+    """The safetensors weight files (and shard index) of a ``save_pretrained`` directory (not an SSM's
+    low-rank factors, ``core/low_rank.py``: its weights already hold them)."""
     return sorted(p.name for p in src.iterdir()
-                  if p.is_file() and p.name.endswith((".safetensors", ".safetensors.index.json")))
+                  if p.is_file() and p.name.endswith((".safetensors", ".safetensors.index.json")) and p.name != DELTA_FILE)
 
 
 def checked_ssm_dir(src: Path, llm_vocab: Callable[[], dict[str, int]], require_stats: bool = False) -> CheckedSSM:

@@ -51,6 +51,7 @@ from boosttune.core.files import (
     writing,
 )
 from boosttune.core.kind_file import declare_kind
+from boosttune.core.low_rank import Factors, cut_to_rank, save_factors
 from boosttune.core.models import (
     LoadedModel,
     dtype_name,
@@ -550,6 +551,12 @@ def run_stage(cfg: TrainConfig, run: RunDir, k: int, init_dir: Path, tokenizer, 
     model, stats = train_stage(model, samples, cfg, run.stage_dir(k), run.stage_checkpoint(k), pad_id,
                                seed=cfg.optim.seed + k, desc=f"stage {k}")
     model.eval()
+    factors = None
+    if cfg.boost.delta_rank and k > 1:  # SSM 1 plus a low-rank delta: what is scored below is what drafts
+        first = AutoModelForCausalLM.from_pretrained(run.ssm_dir(1), dtype=torch.float32)
+        factors, kept = cut_to_rank(first, model, cfg.boost.delta_rank)
+        stats = {**stats, "delta_rank": cfg.boost.delta_rank, "delta_energy_kept": kept}
+        _log(f"stage {k}: cut to SSM 1 plus rank-{cfg.boost.delta_rank} deltas ({kept:.1%} of their energy kept)")
     autocast = precision(cfg).startswith("bf16")
     train_agree, train_ranks = _score(model, train, pad_id, autocast)
     held_agree_part, held_ranks_part = _score(model, held, pad_id, autocast)
@@ -584,17 +591,23 @@ def run_stage(cfg: TrainConfig, run: RunDir, k: int, init_dir: Path, tokenizer, 
         summary["train_covered_before"] = covered_before  # share of the pool's tokens weighted covered_weight
     if dist.is_main():
         atomic_write_json(run.stage_match(k), match)
-        _save_ssm(model, tokenizer, out, summary)
+        _save_ssm(model, tokenizer, out, summary, factors)
         crash_point("ssm-saved")
         atomic_write_json(summary_path, summary)
     dist.barrier()
     return summary
 
 
-def _save_ssm(model, tokenizer, out: Path, summary: dict) -> None:
+def _save_ssm(model, tokenizer, out: Path, summary: dict, factors: Factors | None = None) -> None:
     model = model.to(torch.float32)
     model.config.use_cache = True
-    _publish_model(model, tokenizer, out, {"stage": summary["stage"]}, stats=summary, kind=SSMKind.name)
+
+    def save(d: Path) -> None:
+        model.save_pretrained(d)
+        if factors:
+            save_factors(d, factors)
+
+    _publish_model(model, tokenizer, out, {"stage": summary["stage"]}, stats=summary, save=save, kind=SSMKind.name)
 
 
 def _publish_model(model, tokenizer, out: Path, marker: dict, stats: dict | None = None,
