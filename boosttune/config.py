@@ -229,7 +229,8 @@ class BoostConfig:
         delta_rank: > 0: after training, SSM k > 1 is cut to SSM 1 plus a rank-``delta_rank`` delta in every
             layer matrix (the truncated SVD per stacked product, ``core/low_rank.py``), and saves the factors
             beside its weights, so that the SSMs draft stacked with SSM 1's weights read once
-            (``--stack-ssms``); 0: full SSMs.
+            (``--stack-ssms``); 0: full SSMs. Meant with ``warm_start``: SSMs trained from the initial SSM
+            differ from SSM 1 in full rank, and a cut keeps little of them.
         min_pool: if fewer samples are left in the pool, later stages train on all samples instead.
         quantile: ``quantile`` mode: the share of each stage's pool that leaves it (the best covered).
         covered_weight: ``weighted`` mode: the loss weight of a token the earlier SSMs cover (0: ignored).
