@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -47,6 +46,7 @@ from boosttune.core.prompts import read_prompts
 from boosttune.core.rundir import RunDir
 from boosttune.serving.draft_vocab import head_ids, load_ranking
 from boosttune.train.coverage import coverage_by_category
+from boosttune.train.pipeline import link_or_copy
 
 
 def script_module(name: str):
@@ -79,13 +79,7 @@ def link_copy(src: Path, dst: Path) -> None:
         ssms = Path(folder) == src / "ssms"
         return {n for n in names if (top and n in skip) or (ssms and n.startswith(("feature", ".feature")))}
 
-    def link(a: str, b: str) -> None:
-        try:
-            os.link(a, b)
-        except OSError:
-            shutil.copy2(a, b)
-
-    shutil.copytree(src, dst, ignore=ignore, copy_function=link)
+    shutil.copytree(src, dst, ignore=ignore, copy_function=link_or_copy)
 
 
 def budget(minutes: float, steps: int, times: int = 1) -> list[str]:
@@ -96,10 +90,12 @@ def budget(minutes: float, steps: int, times: int = 1) -> list[str]:
 
 
 def train_variant(src: Path, dst: Path, heads: int, boost: str, limits: list[str], covered_weight: float = 0.1) -> dict:
-    """Train the heads of one variant (a fresh copy unless ``dst`` is a finished one); its report."""
-    if not (dst / "report.json").is_file():
-        shutil.rmtree(dst, ignore_errors=True)
-        link_copy(src, dst)
+    """Train the heads of one variant (a fresh copy; a finished one, with its report, is taken as it is);
+    its report."""
+    if (dst / "report.json").is_file():
+        return json.loads((dst / "report.json").read_text())
+    shutil.rmtree(dst, ignore_errors=True)
+    link_copy(src, dst)
     cmd = [sys.executable, "-m", "boosttune.cli", "train", "--config", str(src / "config.yaml"), "--run-dir", str(dst),
            f"feature.heads={heads}", f"feature.boost={boost}", f"feature.covered_weight={covered_weight}", *limits,
            "scheduler.prompts=null"]

@@ -25,7 +25,8 @@ questions, relative) and ``ensemble_gain_over_best_single_questions`` under ``ev
 
 Usage:
     python scripts/ablate_ssms.py runs/demo --questions ../shared/data/mt_bench/question.jsonl \\
-        [--modes match,quantile,weighted] [--ssms 3] [--steps 30] [--limit 80] [--out runs/demo-ssms]
+        [--modes match,quantile,weighted] [--ssms 3] [--steps 30] [--limit 80] [--out runs/demo-ssms] \\
+        [--warm-start] [--delta-rank 32]
 """
 
 from __future__ import annotations
@@ -86,13 +87,14 @@ def link_stage_one(src: Path, dst: Path) -> None:
 
 def train_variant(src: Path, dst: Path, mode: str, ssms: int, steps: int, stage_one: Path | None,
                   extra: list[str]) -> dict:
-    """Train one variant's SSMs (unless ``dst`` is a finished one), its stage 1 linked from the run
-    ``stage_one`` where given; its report."""
-    if not (dst / "report.json").is_file():
-        shutil.rmtree(dst, ignore_errors=True)
-        dst.mkdir(parents=True)
-        if stage_one is not None:
-            link_stage_one(stage_one, dst)
+    """Train one variant's SSMs, its stage 1 linked from the run ``stage_one`` where given (a finished
+    variant, with its report, is taken as it is); its report."""
+    if (dst / "report.json").is_file():
+        return json.loads((dst / "report.json").read_text())
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    if stage_one is not None:
+        link_stage_one(stage_one, dst)
     cmd = [sys.executable, "-m", "boosttune.cli", "train", "--config", str(src / "config.yaml"), "--run-dir", str(dst),
            f"teacher.reuse_from={src}", f"boost.mode={mode}", f"boost.num_ssms={ssms}", f"optim.max_steps={steps}",
            "feature.enabled=false", "eagle3.enabled=false", "scheduler.prompts=null", *extra]
@@ -224,8 +226,6 @@ def main(argv: list[str] | None = None) -> int:
     for name, (run, report) in variants.items():
         dirs = [d for d in RunDir(run).ssm_dirs() if d.name.startswith("ssm-")]
         models = load_ssms(llm, dirs, torch.float32)
-        for m in models:
-            m.kind = "ssm"
         ranks = [cov_mod.drafter_ranks(m, answers, rows) for m in models]
         cov = coverage_by_category(ranks, categories, k)
         # as many candidates as an ensemble's merged first level (N x k): the single SSM with a wider tree

@@ -173,10 +173,10 @@ def _fused_deltas(
     parts: list[list[Tensor]], factors: list[Factors], names: list[list[str]],
 ) -> list[tuple[Tensor, Tensor]] | None:
     """Members 1..'s deltas from member 0 of a product whose weight is ``parts`` concatenated by rows
-    (q, k, v fused), as one (A, B) each: per part, zero where it equals member 0's, its factors where
-    they rebuild it (``low_rank.rebuilds``); None where any part of any member is neither. Parts that
-    share one ``A`` (cut together, ``low_rank.cut_to_rank``) keep it: B's rows stacked; others are
-    fused block-diagonally."""
+    (q, k, v fused), as one (A, B) each: the parts share one ``A`` (cut together,
+    ``low_rank.cut_to_rank``), so B's rows stack, zero where a part equals member 0's. None (full weights)
+    where a part is neither equal nor rebuilt by its factors (``low_rank.rebuilds``), or where the parts'
+    ``A`` differ."""
     out = []
     for j in range(1, len(parts)):
         pairs: list[tuple[Tensor, Tensor] | None] = []
@@ -189,21 +189,12 @@ def _fused_deltas(
                 return None
             pairs.append(ab)
         given = [ab for ab in pairs if ab is not None]
-        if not given:  # this member's weights are member 0's
-            out.append((parts[j][0].new_zeros(0, parts[j][0].shape[1], dtype=torch.float32),
-                        parts[j][0].new_zeros(sum(p.shape[0] for p in parts[j]), 0, dtype=torch.float32)))
-            continue
-        if all(torch.equal(a, given[0][0]) for a, _ in given):  # one A: stack the B rows
-            a = given[0][0].float()
-            bs = [ab[1].float() if ab else p.new_zeros(p.shape[0], a.shape[0], dtype=torch.float32)
-                  for ab, p in zip(pairs, parts[j], strict=True)]
-            out.append((a, torch.cat(bs)))
-            continue
-        a_parts = [ab[0].float() if ab else p.new_zeros(0, p.shape[1], dtype=torch.float32)
-                   for ab, p in zip(pairs, parts[j], strict=True)]
-        b_parts = [ab[1].float() if ab else p.new_zeros(p.shape[0], 0, dtype=torch.float32)
-                   for ab, p in zip(pairs, parts[j], strict=True)]
-        out.append((torch.cat(a_parts), torch.block_diag(*b_parts)))  # (sum R, I), (sum O, sum R)
+        a = given[0][0].float() if given else parts[j][0].new_zeros(0, parts[j][0].shape[1], dtype=torch.float32)
+        if any(not torch.equal(g[0], given[0][0]) for g in given):
+            return None
+        bs = [ab[1].float() if ab else p.new_zeros(p.shape[0], a.shape[0], dtype=torch.float32)
+              for ab, p in zip(pairs, parts[j], strict=True)]
+        out.append((a, torch.cat(bs)))  # (R, I), (sum O, R)
     return out
 
 
