@@ -85,7 +85,7 @@ at::Tensor linear(const at::Tensor& x, int64_t key, int64_t out_features) {
 
 // int8_mm: (R, I) inputs (fp32 or bf16) times (O, I) int8 weights with one scale per output, as
 // aten::_weight_int8pack_mm computes them, but blocked over outputs and rows: each weight is loaded and
-// converted to fp32 once per RB rows (8 with AVX512), a block of OB outputs' weights (a few KB) stays in L1
+// converted to fp32 once per RB rows (8 with AVX512, 6 with AVX2), a block of OB outputs' weights (a few KB) stays in L1
 // for the next rows, and the weights AHEAD outputs on are prefetched (a row of 576 or 1536 bytes is too
 // short for the hardware prefetcher to ramp up: without it one row ran at torch's speed). Rows of RB or
 // more in bf16 are converted to fp32 once, so that the products read them from memory and the vector
@@ -114,7 +114,10 @@ inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 constexpr bool VECTORISED = true;
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t LANES = 8;
-constexpr int64_t RB = 2;  // 16 vector registers: fewer accumulators
+// 16 vector registers: 12 accumulators, 2 weight vectors, 1 input. Blocks of 2 rows (before) converted
+// every weight 4 times for 8 rows; on an AVX2-only EPYC, 2 threads, the default LLM's 121 products took
+// 29.7 ms at 8 rows and 56 at 16 that way, 22.3 and 37.3 in blocks of 6 (9 ms at 1 row either way).
+constexpr int64_t RB = 6;
 using Vec = __m256;
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
@@ -154,14 +157,14 @@ void int8_block(const T* x, int64_t in, const int8_t* w, int64_t outs, float* su
   for (int64_t r = 0; r < ROWS; ++r)
     for (int64_t o = 0; o < OB; ++o) acc[r][o] = vzero();
   for (int64_t i = 0; i < in; i += LANES) {
-    Vec xv[ROWS];
-    for (int64_t r = 0; r < ROWS; ++r) xv[r] = vload(x + r * in + i);
     if (i % 64 == 0)  // the weights 8 outputs on, a cache line per row per 64 inputs: the short rows of a
       for (int64_t o = 0; o < OB; ++o)  // block are too short for the hardware prefetcher to ramp up
         __builtin_prefetch(w + (AHEAD + o) * in + i, 0, 3);
-    for (int64_t o = 0; o < OB; ++o) {
-      const Vec wf = vint8(w + o * in + i);
-      for (int64_t r = 0; r < ROWS; ++r) acc[r][o] = vfma(xv[r], wf, acc[r][o]);
+    Vec wf[OB];  // the block's weights converted once for all its rows, each row's inputs loaded once
+    for (int64_t o = 0; o < OB; ++o) wf[o] = vint8(w + o * in + i);
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const Vec xv = vload(x + r * in + i);
+      for (int64_t o = 0; o < OB; ++o) acc[r][o] = vfma(xv, wf[o], acc[r][o]);
     }
   }
   for (int64_t r = 0; r < ROWS; ++r)
@@ -179,20 +182,19 @@ void on_full_block(const W* w, int64_t outs, int64_t in, W zero, F&& f) {
   f(padded.data());
 }
 
-template <typename F>
+template <int64_t MAX, typename F>
 void with_rows(int64_t m, F&& f) {
-  // f(std::integral_constant<int64_t, m>): one instantiation per row count of a row block
+  // f(std::integral_constant<int64_t, m>) for 1 <= m <= MAX (<= 8): one instantiation per row count
+  static_assert(MAX >= 1 && MAX <= 8, "row blocks of 1 to 8 rows");
   switch (m) {
     case 1: f(std::integral_constant<int64_t, 1>{}); break;
-    case 2: f(std::integral_constant<int64_t, 2>{}); break;
-#if defined(__AVX512F__)
-    case 3: f(std::integral_constant<int64_t, 3>{}); break;
-    case 4: f(std::integral_constant<int64_t, 4>{}); break;
-    case 5: f(std::integral_constant<int64_t, 5>{}); break;
-    case 6: f(std::integral_constant<int64_t, 6>{}); break;
-    case 7: f(std::integral_constant<int64_t, 7>{}); break;
-    case 8: f(std::integral_constant<int64_t, 8>{}); break;
-#endif
+    case 2: if constexpr (MAX >= 2) f(std::integral_constant<int64_t, 2>{}); break;
+    case 3: if constexpr (MAX >= 3) f(std::integral_constant<int64_t, 3>{}); break;
+    case 4: if constexpr (MAX >= 4) f(std::integral_constant<int64_t, 4>{}); break;
+    case 5: if constexpr (MAX >= 5) f(std::integral_constant<int64_t, 5>{}); break;
+    case 6: if constexpr (MAX >= 6) f(std::integral_constant<int64_t, 6>{}); break;
+    case 7: if constexpr (MAX >= 7) f(std::integral_constant<int64_t, 7>{}); break;
+    case 8: if constexpr (MAX >= 8) f(std::integral_constant<int64_t, 8>{}); break;
   }
 }
 
@@ -212,7 +214,7 @@ void int8_kernel(const T* xp, const int8_t* wp, const S* sp, S* op, int64_t rows
       for (int64_t r0 = 0; r0 < rows; r0 += RB) {
         const int64_t m = std::min(RB, rows - r0);
         const T* xr = xp + r0 * in;
-        with_rows(m, [&](auto rows) { int8_rows<rows.value>(xr, in, wb, n, sums); });
+        with_rows<RB>(m, [&](auto rows) { int8_rows<rows.value>(xr, in, wb, n, sums); });
         for (int64_t r = 0; r < m; ++r)  // rounded once, to S (round to nearest even for bf16)
           for (int64_t o = 0; o < n; ++o)
             op[(r0 + r) * outs + o0 + o] = static_cast<S>(sums[r * OB + o] * static_cast<float>(sp[o0 + o]));
@@ -263,6 +265,7 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tens
 // and multiplied in pairs (vpmaddwd), exactly too.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr int64_t QCH = 64;  // bytes per integer vector
+constexpr int64_t QRB = RB;  // rows per block (w8a8_block holds 2 ROWS x OB vectors)
 using IVec = __m512i;
 inline IVec izero() { return _mm512_setzero_si512(); }
 inline IVec iload(const void* p) { return _mm512_loadu_si512(p); }
@@ -283,6 +286,7 @@ constexpr bool W8A8_VECTORISED = true;
 #define BOOSTTUNE_W8A8_SIMD 1
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 constexpr int64_t QCH = 32;
+constexpr int64_t QRB = 2;  // 16 vector registers
 using IVec = __m256i;
 inline IVec izero() { return _mm256_setzero_si256(); }
 inline IVec iload(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -408,15 +412,15 @@ void w8a8_kernel(const int8_t* xq, const float* xs, const float* offsets, const 
                  int64_t rows, int64_t in, int64_t outs, int64_t block) {
   const int64_t blocks = (outs + OB - 1) / OB, nb = in / block;
   at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
-    float sums[RB * OB];
+    float sums[QRB * OB];
     for (int64_t b = begin; b < end; ++b) {
       const int64_t o0 = b * OB, n = std::min(OB, outs - o0);
       const uint8_t* wb = wp + o0 * in;
-      for (int64_t r0 = 0; r0 < rows; r0 += RB) {
-        const int64_t m = std::min(RB, rows - r0);
+      for (int64_t r0 = 0; r0 < rows; r0 += QRB) {
+        const int64_t m = std::min(QRB, rows - r0);
         const int8_t* xr = xq + r0 * in;
         const float* sr = xs + r0 * nb;
-        with_rows(m, [&](auto rows) { w8a8_rows<rows.value>(xr, sr, in, block, wb, n, sums); });
+        with_rows<QRB>(m, [&](auto rows) { w8a8_rows<rows.value>(xr, sr, in, block, wb, n, sums); });
         for (int64_t r = 0; r < m; ++r)
           for (int64_t o = 0; o < n; ++o)
             op[(r0 + r) * outs + o0 + o] = static_cast<S>((sums[r * OB + o] - offsets[r0 + r]) * sp[o0 + o]);
