@@ -761,7 +761,9 @@ def test_low_rank_ssms_travel_in_the_bundle_and_draft_stacked(tmp_path):
 
     from boosttune.assemble import engine_from_models
     from boosttune.core.low_rank import DELTA_FILE, cut_to_rank, save_factors
+    from boosttune.http.server import ServerConfig, create_app
     from boosttune.serving.decode import incremental_generate
+    from boosttune.serving.stacked import StackedMember
     from boosttune.serving.stops import StopCriteria
     from boosttune.serving.tree import TreeConfig
 
@@ -787,3 +789,10 @@ def test_low_rank_ssms_travel_in_the_bundle_and_draft_stacked(tmp_path):
     assert group._full_head.shared
     prompt, stop = [5, 9, 13, 2, 7], StopCriteria(max_new_tokens=16)
     assert engine.generate(prompt, stop).tokens == incremental_generate(llm, prompt, stop).tokens
+    # the server stacks them by default (its --stack-ssms auto), and keeps them apart when told to
+    for mode, stacked in (("auto", True), ("off", False)):
+        config = ServerConfig(model_name="m", torch_threads=1, warmup=False, stack_ssms=mode)
+        drafters = create_app(loaded, config).state.boosttune.served.engine.drafters
+        assert [isinstance(drafters[n], StackedMember) for n in ("ssm-1", "ssm-2")] == [stacked] * 2
+    with pytest.raises(ValueError, match="stack_ssms"):
+        ServerConfig(stack_ssms="yes")

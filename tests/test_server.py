@@ -308,6 +308,7 @@ def test_serve_flags_name_the_batching_defaults():
     parser = _build()[0]
     args = parser.parse_args(["serve", "b"])
     assert (args.max_batch, args.max_batch_tokens, args.draft_max_batch) == (16, 64, None)
+    assert args.stack_ssms == "auto" and parser.parse_args(["serve", "b", "--stack-ssms", "off"]).stack_ssms == "off"
     sub = next(a for a in parser._actions if a.dest == "command").choices["serve"]
     help_text = next(a.help for a in sub._actions if a.dest == "draft_max_batch")
     assert f"default {DRAFT_MAX_BATCH};" in help_text

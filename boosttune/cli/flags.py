@@ -174,6 +174,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the token ranking for --draft-vocab (draft_vocab.json or its run directory; default: "
                         "the bundle's, or found next to the first --ssm or in its run directory)")
     add_prompt_lookup_arg(p, default="the bundle's, else off")
+    add_stack_ssms_arg(p)
+
+
+def add_stack_ssms_arg(p: argparse.ArgumentParser) -> None:
+    """--stack-ssms, in every command that decodes."""
     p.add_argument("--stack-ssms", choices=("auto", "on", "off"), default="auto",
                    help="draft the SSMs of one shape in one batched forward per depth: auto (default) where they "
                         "carry low-rank factors over SSM 1 (boost.delta_rank: SSM 1's weights read once for all), "

@@ -122,6 +122,8 @@ class ServerConfig:
             (``serving/quantize.py``); None keeps their dtype's weights.
         recost: time the learned scheduler's costs again on the forward being served and take its fixed
             choice again (``assemble.recost_served``, ~15 s at start on the demo bundle).
+        stack_ssms: "auto", "on" or "off": whether the bundle's SSMs draft in one stacked forward
+            (``assemble.stacks``; "auto" where they carry low-rank factors over SSM 1).
     """
 
     model_name: str | None = None
@@ -138,8 +140,12 @@ class ServerConfig:
     compile: bool = False
     quantize: str | None = None
     recost: bool = False
+    stack_ssms: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.stack_ssms not in assemble.STACK_MODES:
+            raise ValueError(f"server stack_ssms must be one of {', '.join(assemble.STACK_MODES)}, got "
+                             f"{self.stack_ssms!r}")
         if self.max_batch_tokens < self.max_batch:
             raise ValueError(f"server max_batch_tokens ({self.max_batch_tokens}) must be at least max_batch "
                              f"({self.max_batch}): every request feeds its pending token each step")
@@ -187,7 +193,7 @@ class _State:
             vocab_size=model_vocab_size(bundle.llm.model), default_max_tokens=config.default_max_tokens,
         )
         # what `boosttune generate` and `bench` assemble from the same bundle (boosttune/assemble.py)
-        self.served = assemble.from_bundle(bundle, use_scheduler=config.use_scheduler)
+        self.served = assemble.from_bundle(bundle, use_scheduler=config.use_scheduler, stack_ssms=config.stack_ssms)
         if config.quantize:
             llm_b, drafters_b = assemble.quantize_served(self.served.engine, config.quantize)
             log.info("the products of the LLM (%.0f MB) and the drafters (%.0f MB) quantized to %s", llm_b / 1e6,
