@@ -85,9 +85,9 @@ at::Tensor linear(const at::Tensor& x, int64_t key, int64_t out_features) {
 
 // int8_mm: (R, I) inputs (fp32 or bf16) times (O, I) int8 weights with one scale per output, as
 // aten::_weight_int8pack_mm computes them, but blocked over outputs and rows: each weight is loaded and
-// converted to fp32 once per RB rows (8 with AVX512, 6 with AVX2), a block of OB outputs' weights (a few KB) stays in L1
-// for the next rows, and the weights AHEAD outputs on are prefetched (a row of 576 or 1536 bytes is too
-// short for the hardware prefetcher to ramp up: without it one row ran at torch's speed). Rows of RB or
+// converted to fp32 once per RB rows (8 with AVX512, 6 with AVX2), a block of OB outputs' weights (a few
+// KB) stays in L1 for the next rows, and the weights AHEAD outputs on are prefetched (a row of 576 or 1536
+// bytes is too short for the hardware prefetcher to ramp up: without it one row ran at torch's speed). Rows of RB or
 // more in bf16 are converted to fp32 once, so that the products read them from memory and the vector
 // ports convert only weights. torch's kernel reads the weights again every few rows, so its cost grew
 // about linearly with the rows a tree verification feeds (serving/quantize.py has the figures).

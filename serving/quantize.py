@@ -21,11 +21,11 @@ only at one or two. Each output row is computed from its input row alone (checke
 here), so a tree's row rounds exactly as a plain step's would.
 
 int8 products therefore run on our own kernel where it is built (``int8_mm``: ``boosttune_native::int8_mm``
-in ``serving/native_ops.cpp``, AVX512 or AVX2 with FMA): it converts each weight once per eight rows, keeps
-a block of two outputs' weights in L1 for the next rows, and prefetches the weights eight outputs ahead,
-since a row of 576 or 1536 bytes is too short for the hardware prefetcher. The same script on an Intel
-Xeon with AMX (2 threads, torch 2.13; bf16 packed for comparison; this machine's figures drift by ~10 %
-from run to run):
+in ``serving/native_ops.cpp``, AVX512 or AVX2 with FMA): it converts each weight once per eight rows (six
+with AVX2's 16 registers), keeps a block of two outputs' weights in L1 for the next rows, and prefetches
+the weights eight outputs ahead, since a row of 576 or 1536 bytes is too short for the hardware
+prefetcher. The same script on an Intel Xeon with AMX (2 threads, torch 2.13; bf16 packed for comparison;
+this machine's figures drift by ~10 % from run to run):
 
 | rows R | 1 | 2 | 4 | 8 | 16 | 32 |
 |---|---|---|---|---|---|---|
@@ -36,7 +36,10 @@ from run to run):
 Without the prefetch one row ran at torch's speed (13.1 ms). Blocks of four outputs and four rows gave
 17.0 ms at eight rows. Taking the bf16 inputs two at a time with AVX512-BF16's dot product
 (``vdpbf16ps``) was slower here (24.5 ms at eight rows): converting the weights to bf16 costs more than
-the products it saves.
+the products it saves. On an AVX2-only EPYC (fp32 inputs, 2 threads) blocks of six rows instead of two
+took the 121 products from 29.7 to 22.3 ms at eight rows and from 56.0 to 37.3 at sixteen (9-10 ms at one
+row either way); blocks of four outputs, or weights converted to an fp32 buffer once per block of outputs,
+were slower.
 
 Both weight-only kernels compute with fp32 FMAs, so on a CPU with one 512-bit FMA port their cost still
 grows with the rows. ``w8a8`` quantizes each product's inputs too, per row and block (``w8a8_block``), so
