@@ -116,7 +116,7 @@ constexpr bool VECTORISED = true;
 constexpr int64_t LANES = 8;
 // 16 vector registers: 12 accumulators, 2 weight vectors, 1 input. Blocks of 2 rows (before) converted
 // every weight 4 times for 8 rows; on an AVX2-only EPYC, 2 threads, the default LLM's 121 products took
-// 29.7 ms at 8 rows and 56 at 16 that way, 22.3 and 37.3 in blocks of 6 (9 ms at 1 row either way).
+// 31.6 ms at 8 rows and 67.5 at 16 that way, 24.4 and 51.2 in blocks of 6 (10.0 ms at 1 row either way).
 constexpr int64_t RB = 6;
 using Vec = __m256;
 inline Vec vzero() { return _mm256_setzero_ps(); }

@@ -37,7 +37,7 @@ Without the prefetch one row ran at torch's speed (13.1 ms). Blocks of four outp
 17.0 ms at eight rows. Taking the bf16 inputs two at a time with AVX512-BF16's dot product
 (``vdpbf16ps``) was slower here (24.5 ms at eight rows): converting the weights to bf16 costs more than
 the products it saves. On an AVX2-only EPYC (fp32 inputs, 2 threads) blocks of six rows instead of two
-took the 121 products from 29.7 to 22.3 ms at eight rows and from 56.0 to 37.3 at sixteen (9-10 ms at one
+took the 121 products from 31.6 to 24.4 ms at eight rows and from 67.5 to 51.2 at sixteen (10.0 ms at one
 row either way); blocks of four outputs, or weights converted to an fp32 buffer once per block of outputs,
 were slower.
 
