@@ -111,7 +111,15 @@ inline Vec vint8(const int8_t* p) {  // 16 int8 weights as fp32 (exact)
 }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline Vec vset(float a) { return _mm512_set1_ps(a); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline float vhmax(Vec v) { return _mm512_reduce_max_ps(v); }
 constexpr bool VECTORISED = true;
+#define BOOSTTUNE_VEC 1
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t LANES = 8;
 // 16 vector registers: 12 accumulators, 2 weight vectors, 1 input. Blocks of 2 rows (before) converted
@@ -134,7 +142,19 @@ inline float vsum(Vec v) {
   _mm256_store_ps(t, v);
   return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
 }
+inline Vec vset(float a) { return _mm256_set1_ps(a); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline float vhmax(Vec v) {  // exact in any order
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  return *std::max_element(t, t + 8);
+}
 constexpr bool VECTORISED = true;
+#define BOOSTTUNE_VEC 1
 #else
 constexpr int64_t LANES = 1;  // plain C++: correct, slow (serving/quantize.py keeps torch's kernel then)
 constexpr int64_t RB = 1;
@@ -270,7 +290,6 @@ using IVec = __m512i;
 inline IVec izero() { return _mm512_setzero_si512(); }
 inline IVec iload(const void* p) { return _mm512_loadu_si512(p); }
 inline Vec icvt(IVec v) { return _mm512_cvtepi32_ps(v); }
-inline Vec vset(float a) { return _mm512_set1_ps(a); }
 #if defined(__AVX512VNNI__)
 inline IVec idot(IVec acc, IVec u, IVec s) { return _mm512_dpbusd_epi32(acc, u, s); }
 #else
@@ -291,7 +310,6 @@ using IVec = __m256i;
 inline IVec izero() { return _mm256_setzero_si256(); }
 inline IVec iload(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline Vec icvt(IVec v) { return _mm256_cvtepi32_ps(v); }
-inline Vec vset(float a) { return _mm256_set1_ps(a); }
 #if defined(__AVXVNNI__)
 inline IVec idot(IVec acc, IVec u, IVec s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 #else
@@ -794,51 +812,27 @@ void attend_set(const T* const* q, const T* k, const T* v, int64_t key_stride, c
   const float* qf = s.qf.data();
   const int64_t* idx = s.idx.data();
   int64_t done = 0;
-#if defined(__AVX512F__)
-  if (c % 16 == 0) {  // 16 keys at a time: per key and row one chain of products over the C inputs, then lane_sums
-    __m512 parts[nq][16];
-    const __m512 sv = _mm512_set1_ps(scale);
-    for (; done < n; done += 16) {
-      const int64_t n16 = std::min<int64_t>(16, n - done);
-      for (int64_t j = 0; j < 16; ++j) {
-        __m512 a[nq];
-        for (int r = 0; r < nq; ++r) a[r] = _mm512_setzero_ps();
-        if (j < n16) {
+#if defined(BOOSTTUNE_VEC)
+  if (c % LANES == 0) {  // LANES keys at a time: per key and row one chain of products over the C inputs, then
+    Vec parts[nq][LANES];  // lane_sums
+    for (; done < n; done += LANES) {
+      const int64_t nl = std::min<int64_t>(LANES, n - done);
+      for (int64_t j = 0; j < LANES; ++j) {
+        Vec a[nq];
+        for (int r = 0; r < nq; ++r) a[r] = vzero();
+        if (j < nl) {
           const T* kr = k + idx[done + j] * key_stride;
-          for (int64_t i = 0; i < c; i += 16) {
-            const __m512 kv = vload(kr + i);
-            for (int r = 0; r < nq; ++r) a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + r * c + i), kv, a[r]);
-          }
-        }
-        for (int r = 0; r < nq; ++r) parts[r][j] = a[r];
-      }
-      for (int r = 0; r < nq; ++r)
-        _mm512_mask_storeu_ps(sc + r * np + done, static_cast<__mmask16>((1u << n16) - 1u),
-                              _mm512_mul_ps(lane_sums(parts[r]), sv));
-    }
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  if (c % 8 == 0) {  // as above, 8 keys at a time (the padding past n is -inf until then)
-    __m256 parts[nq][8];
-    const __m256 sv = _mm256_set1_ps(scale);
-    for (; done < n; done += 8) {
-      const int64_t n8 = std::min<int64_t>(8, n - done);
-      for (int64_t j = 0; j < 8; ++j) {
-        __m256 a[nq];
-        for (int r = 0; r < nq; ++r) a[r] = _mm256_setzero_ps();
-        if (j < n8) {
-          const T* kr = k + idx[done + j] * key_stride;
-          for (int64_t i = 0; i < c; i += 8) {
-            const __m256 kv = vload(kr + i);
-            for (int r = 0; r < nq; ++r) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + r * c + i), kv, a[r]);
+          for (int64_t i = 0; i < c; i += LANES) {
+            const Vec kv = vload(kr + i);
+            for (int r = 0; r < nq; ++r) a[r] = vfma(vload(qf + r * c + i), kv, a[r]);
           }
         }
         for (int r = 0; r < nq; ++r) parts[r][j] = a[r];
       }
       for (int r = 0; r < nq; ++r) {
-        alignas(32) float res[8];
-        _mm256_store_ps(res, _mm256_mul_ps(lane_sums(parts[r]), sv));
-        std::copy(res, res + n8, sc + r * np + done);
+        alignas(64) float res[LANES];
+        vstore(res, vmul(lane_sums(parts[r]), vset(scale)));
+        std::copy(res, res + nl, sc + r * np + done);
       }
     }
   }
@@ -853,32 +847,17 @@ void attend_set(const T* const* q, const T* k, const T* v, int64_t key_stride, c
   float inv[nq];
   for (int r = 0; r < nq; ++r) {  // a fixed-order softmax numerator and its sum, per row
     float* row = sc + r * np;
-#if defined(__AVX512F__)
-    __m512 m16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());  // the padding is -inf
-    for (int64_t j = 0; j < np; j += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(row + j));
-    const float mx = _mm512_reduce_max_ps(m16);
-    __m512 s16 = _mm512_setzero_ps();
-    const __m512 m = _mm512_set1_ps(mx);
-    for (int64_t j = 0; j < np; j += 16) {
-      const __m512 e = vexp(_mm512_sub_ps(_mm512_loadu_ps(row + j), m));
-      _mm512_storeu_ps(row + j, e);
-      s16 = _mm512_add_ps(s16, e);
+#if defined(BOOSTTUNE_VEC)
+    Vec mv = vset(-std::numeric_limits<float>::infinity());  // the padding is -inf
+    for (int64_t j = 0; j < np; j += LANES) mv = vmax(mv, vload(row + j));
+    const Vec m = vset(vhmax(mv));
+    Vec sv = vzero();
+    for (int64_t j = 0; j < np; j += LANES) {
+      const Vec e = vexp(vsub(vload(row + j), m));
+      vstore(row + j, e);
+      sv = vadd(sv, e);
     }
-    inv[r] = 1.f / _mm512_reduce_add_ps(s16);
-#elif defined(__AVX2__) && defined(__FMA__)
-    __m256 m8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < np; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(row + j));
-    alignas(32) float mt[8];
-    _mm256_store_ps(mt, m8);
-    const float mx = *std::max_element(mt, mt + 8);
-    __m256 s8 = _mm256_setzero_ps();
-    const __m256 m = _mm256_set1_ps(mx);
-    for (int64_t j = 0; j < np; j += 8) {
-      const __m256 e = vexp(_mm256_sub_ps(_mm256_loadu_ps(row + j), m));
-      _mm256_storeu_ps(row + j, e);
-      s8 = _mm256_add_ps(s8, e);
-    }
-    inv[r] = 1.f / vsum(s8);
+    inv[r] = 1.f / vsum(sv);
 #else
     const float mx = *std::max_element(row, row + n);
     float sum = 0.f;
@@ -887,47 +866,29 @@ void attend_set(const T* const* q, const T* k, const T* v, int64_t key_stride, c
 #endif
   }
   int64_t d0 = 0;
-#if defined(__AVX512F__)
-  for (; c % 16 == 0 && d0 < c; d0 += 64) {  // up to 64 outputs of every row in registers, over the keys in order
-    const int nv = static_cast<int>(std::min<int64_t>(64, c - d0) / 16);
-    __m512 o[nq][4];
+#if defined(BOOSTTUNE_VEC)
+  // up to kV vectors of outputs of every row in registers (nq * kV accumulators: AVX2 has 16 registers,
+  // AVX512 32), over the keys in order
+  constexpr int kV = LANES == 16 || nq <= 2 ? 4 : 2;
+  for (; c % LANES == 0 && d0 < c; d0 += kV * LANES) {
+    const int nv = static_cast<int>(std::min<int64_t>(kV * LANES, c - d0) / LANES);
+    Vec o[nq][kV];
     for (int r = 0; r < nq; ++r)
-      for (int t = 0; t < nv; ++t) o[r][t] = _mm512_setzero_ps();
+      for (int t = 0; t < nv; ++t) o[r][t] = vzero();
     for (int64_t j = 0; j < n; ++j) {
       const T* vr = v + idx[j] * key_stride + d0;
-      for (int t = 0; t < nv; ++t) {
-        const __m512 vv = vload(vr + 16 * t);
-        for (int r = 0; r < nq; ++r) o[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r * np + j]), vv, o[r][t]);
-      }
-    }
-    for (int r = 0; r < nq; ++r)
-      for (int t = 0; t < nv; ++t) {
-        alignas(64) float res[16];
-        _mm512_store_ps(res, _mm512_mul_ps(o[r][t], _mm512_set1_ps(inv[r])));
-        for (int i = 0; i < 16; ++i) out[r][d0 + 16 * t + i] = static_cast<T>(res[i]);
-      }
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  constexpr int kV = nq <= 2 ? 4 : 2;  // vectors of outputs per pass: nq * kV accumulators, 16 registers
-  for (; c % 8 == 0 && d0 < c; d0 += 8 * kV) {  // as above, up to 8 kV outputs of every row per pass
-    const int nv = static_cast<int>(std::min<int64_t>(8 * kV, c - d0) / 8);
-    __m256 o[nq][kV];
-    for (int r = 0; r < nq; ++r)
-      for (int t = 0; t < nv; ++t) o[r][t] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const T* vr = v + idx[j] * key_stride + d0;
-      __m256 vv[kV];
-      for (int t = 0; t < nv; ++t) vv[t] = vload(vr + 8 * t);
+      Vec vv[kV];
+      for (int t = 0; t < nv; ++t) vv[t] = vload(vr + LANES * t);
       for (int r = 0; r < nq; ++r) {
-        const __m256 e = _mm256_broadcast_ss(sc + r * np + j);
-        for (int t = 0; t < nv; ++t) o[r][t] = _mm256_fmadd_ps(e, vv[t], o[r][t]);
+        const Vec e = vset(sc[r * np + j]);
+        for (int t = 0; t < nv; ++t) o[r][t] = vfma(e, vv[t], o[r][t]);
       }
     }
     for (int r = 0; r < nq; ++r)
       for (int t = 0; t < nv; ++t) {
-        alignas(32) float res[8];
-        _mm256_store_ps(res, _mm256_mul_ps(o[r][t], _mm256_set1_ps(inv[r])));
-        for (int i = 0; i < 8; ++i) out[r][d0 + 8 * t + i] = static_cast<T>(res[i]);
+        alignas(64) float res[LANES];
+        vstore(res, vmul(o[r][t], vset(inv[r])));
+        for (int i = 0; i < LANES; ++i) out[r][d0 + LANES * t + i] = static_cast<T>(res[i]);
       }
   }
 #endif
