@@ -45,7 +45,8 @@ Both weight-only kernels compute with fp32 FMAs, so on a CPU with one 512-bit FM
 grows with the rows. ``w8a8`` quantizes each product's inputs too, per row and block (``w8a8_block``), so
 that the products are integer ones (``boosttune_native::w8a8_mm``): AMX tiles where the CPU has them (16
 outputs by 64 inputs by 16 rows an instruction), else AVX512-VNNI's ``vpdpbusd`` (64 multiply-adds an
-instruction), else int16 products. Same script and machine (AMX), all 211 products, median ms:
+instruction), else int16 products (AVX512 without VNNI) or ``vpmaddubsw`` byte products (AVX2). Same script
+and machine (AMX), all 211 products, median ms:
 
 | rows R | 1 | 4 | 8 | 16 | 32 |
 |---|---|---|---|---|---|
@@ -55,7 +56,10 @@ instruction), else int16 products. Same script and machine (AMX), all 211 produc
 
 Integer sums are exact and each row's inputs are quantized alone, so a row's output does not depend on
 the other rows; but the input quantizer turns a last-bit difference of an input into other codes, so a
-w8a8 runner in fp32 also computes attention row by row (``pooled.sdpa``'s ``exact``).
+w8a8 runner in fp32 also computes attention row by row (``pooled.sdpa``'s ``exact``). On an AVX2-only EPYC
+(fp32 inputs) the 121 products took 6.3 / 18.7 / 37.5 ms at 1 / 8 / 16 rows against ``int8_mm``'s 9.1 /
+23.1 / 42.8, and once that row-by-row attention ran in vectors there too, a compiled w8a8 step of 1 / 8
+tokens took 8.4 / 21.0 ms against int8's 10.5 / 24.3 (docs/measurements.md).
 
 The quantization: per output channel, round to nearest (int8: symmetric, scale = max |w| / 127; int4:
 each group of ``group`` inputs mapped onto 16 levels between its min and max). A fused product
