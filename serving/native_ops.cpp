@@ -118,6 +118,12 @@ inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
 inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 inline float vhmax(Vec v) { return _mm512_reduce_max_ps(v); }
+inline Vec vfnma(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b, fused
+inline Vec vround(Vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT); }
+inline Vec vscale2(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }  // p 2^n
+inline Vec vzero_below(Vec x, Vec lo, Vec r) {  // r where x >= lo, else 0
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ)), r);
+}
 constexpr bool VECTORISED = true;
 #define BOOSTTUNE_VEC 1
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -153,6 +159,13 @@ inline float vhmax(Vec v) {  // exact in any order
   _mm256_store_ps(t, v);
   return *std::max_element(t, t + 8);
 }
+inline Vec vfnma(Vec a, Vec b, Vec c) { return _mm256_fnmadd_ps(a, b, c); }
+inline Vec vround(Vec v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec vscale2(Vec p, Vec n) {  // p 2^n for integral n >= -126: 2^n from its exponent bits
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                                                  _mm256_set1_epi32(127)), 23)));
+}
+inline Vec vzero_below(Vec x, Vec lo, Vec r) { return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), r); }
 constexpr bool VECTORISED = true;
 #define BOOSTTUNE_VEC 1
 #else
@@ -707,45 +720,25 @@ at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tens
 // fp32 arithmetic for bf16 or fp32 inputs; a row that sees no key gives zeros. AVX512 and AVX2 take 16 or 8
 // keys and outputs at a time; on an AVX2-only EPYC a call for 8 tokens of a 150-token cache took 678 µs in
 // scalar loops, 108 in vectors (eager, under torch's profiler).
-#if defined(__AVX512F__)
-inline __m512 vexp(__m512 x) {
+#if defined(BOOSTTUNE_VEC)
+inline Vec vexp(Vec x) {
   // e^x = 2^n e^r, n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts), e^r by its Taylor polynomial
-  // of degree 7 (|r| <= ln 2 / 2: relative error below 2e-7); 0 below -87 (e^-87 is near fp32's least normal)
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-inline __m256 vexp(__m256 x) {
-  // as AVX512's for x <= 0 (a softmax's shifted scores): 2^n from its exponent bits (n >= -126, normal)
-  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-  __m256 p = _mm256_set1_ps(1.f / 5040.f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256 two_n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                                              _mm256_set1_epi32(127)), 23));
-  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, two_n));
+  // of degree 7 (|r| <= ln 2 / 2: relative error below 2e-7); 0 below -87 (e^-87 is near fp32's least
+  // normal). For x <= 0, a softmax's shifted scores: n >= -126, so 2^n is a normal float (vscale2)
+  const Vec lo = vset(-87.f);
+  const Vec xc = vmax(x, lo);
+  const Vec n = vround(vmul(xc, vset(1.44269504f)));
+  Vec r = vfnma(n, vset(0.693145752f), xc);
+  r = vfnma(n, vset(1.42860677e-6f), r);
+  Vec p = vset(1.f / 5040.f);
+  p = vfma(p, r, vset(1.f / 720.f));
+  p = vfma(p, r, vset(1.f / 120.f));
+  p = vfma(p, r, vset(1.f / 24.f));
+  p = vfma(p, r, vset(1.f / 6.f));
+  p = vfma(p, r, vset(0.5f));
+  p = vfma(p, r, vset(1.f));
+  p = vfma(p, r, vset(1.f));
+  return vzero_below(x, lo, vscale2(p, n));
 }
 #endif
 
