@@ -124,7 +124,6 @@ inline Vec vscale2(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }  // p 2^n
 inline Vec vzero_below(Vec x, Vec lo, Vec r) {  // r where x >= lo, else 0
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ)), r);
 }
-constexpr bool VECTORISED = true;
 #define BOOSTTUNE_VEC 1
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t LANES = 8;
@@ -166,7 +165,6 @@ inline Vec vscale2(Vec p, Vec n) {  // p 2^n for integral n >= -126: 2^n from it
                                                                                   _mm256_set1_epi32(127)), 23)));
 }
 inline Vec vzero_below(Vec x, Vec lo, Vec r) { return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), r); }
-constexpr bool VECTORISED = true;
 #define BOOSTTUNE_VEC 1
 #else
 constexpr int64_t LANES = 1;  // plain C++: correct, slow (serving/quantize.py keeps torch's kernel then)
@@ -178,7 +176,12 @@ inline Vec vload(const c10::BFloat16* p) { return static_cast<float>(*p); }
 inline Vec vint8(const int8_t* p) { return static_cast<float>(*p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return a * b + c; }
 inline float vsum(Vec v) { return v; }
-constexpr bool VECTORISED = false;
+#endif
+constexpr bool VECTORISED =  // the vector helpers exist (BOOSTTUNE_VEC, for #if)
+#if defined(BOOSTTUNE_VEC)
+    true;
+#else
+    false;
 #endif
 constexpr int64_t OB = 2;     // outputs per block (AVX512: 2 x 8 accumulators, each row's input from memory)
 constexpr int64_t AHEAD = 8;  // prefetch distance in output rows
