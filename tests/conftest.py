@@ -8,6 +8,11 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The README's test command runs two pytest-xdist workers (`-n 2`): each, and the processes its tests start,
+# takes its share of the (2) cores, since torch's threads in two busy processes at once oversubscribe them.
+THREADS = max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -16,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from boosttune.core.feature_head import FC_ATTR, new_fc  # noqa: E402
 
 torch.set_flush_denormal(True)  # as the CLI does: random tiny models otherwise hit slow subnormal arithmetic
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+torch.set_num_threads(THREADS)
 
 # ../shared/data beside the checkout (CI lays a copy there); BOOSTTUNE_SHARED overrides it.
 SHARED_DATA = Path(os.environ.get("BOOSTTUNE_SHARED", Path(__file__).resolve().parents[2] / "shared")) / "data"
