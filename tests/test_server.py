@@ -99,6 +99,35 @@ def test_models_and_health(client, server):
     assert health["status"] == "ok" and health["model"] == MODEL
 
 
+def test_health_says_warming_up_until_the_warm_up_ends_and_a_request_waits_for_it(bundle_dir, monkeypatch):
+    """A readiness probe must not send traffic to a server that is still warming up (compiling, with
+    --compile): /health answers 503 "warming up" while the engine's warm-up runs (held at a gate here), a
+    request sent meanwhile waits in the queue, and both are served once the warm-up ends."""
+    app = create_app(load_bundle(bundle_dir), ServerConfig(model_name=MODEL, torch_threads=1))
+    served = app.state.boosttune.served  # the engine the worker warms up with; it starts with the server
+    gate, generate = threading.Event(), served.generate
+
+    def gated(*args, **kwargs):
+        assert gate.wait(60)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(served, "generate", gated)
+    with ServerThread(app) as url:
+        r = httpx.get(f"{url}/health", timeout=10)
+        assert r.status_code == 503 and r.json()["status"] == "warming up"
+        with ThreadPoolExecutor(1) as pool:
+            body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+            answer = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+            deadline = time.monotonic() + 30
+            while httpx.get(f"{url}/health", timeout=10).json()["queue_depth"] < 1:
+                assert time.monotonic() < deadline and not answer.done()
+                time.sleep(0.05)
+            gate.set()
+            assert answer.result().status_code == 200 and answer.result().json()["usage"]["completion_tokens"] == 4
+        r = httpx.get(f"{url}/health", timeout=10)
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
 def test_greedy_answers_equal_plain_decoding_and_generate(client, loaded, bundle_dir, capsys):
     tok = loaded.llm.tokenizer
     prompt = PROMPTS[1]

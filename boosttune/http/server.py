@@ -532,8 +532,10 @@ def create_app(bundle: LoadedBundle, config: ServerConfig | None = None) -> Fast
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes that only look at the status
     async def health() -> JSONResponse:
-        ok = state.worker.alive and not state.shutting_down
-        status = "shutting down" if state.shutting_down else "ok" if ok else "engine worker stopped"
+        warming = state.worker.warming  # a readiness probe waits for it; a request sent now waits in the queue
+        ok = state.worker.alive and not state.shutting_down and not warming
+        status = ("shutting down" if state.shutting_down else "warming up" if warming else "ok" if ok
+                  else "engine worker stopped")
         body = {"status": status, "model": state.model_name,
                 "queue_depth": state.worker.queue_depth, "busy": state.worker.busy,
                 "running": state.worker.running}
@@ -638,9 +640,9 @@ class ServerThread:
 
 
 class _AnnouncingServer(uvicorn.Server):
-    """uvicorn's server that prints the start-up block (``banner.py``) once its sockets listen: the models
-    are loaded by then and the engine worker started (the app's lifespan runs first; its warm-up, on the
-    worker's thread, may still be finishing, and a first request waits for it in the queue)."""
+    """uvicorn's server that prints the start-up block (``banner.py``) once its sockets listen and the engine
+    worker's warm-up has ended (the app's lifespan loads the models and starts the worker first); a request
+    that comes sooner waits for the warm-up in the queue, and /health answers 503 "warming up" until then."""
 
     def __init__(self, config: uvicorn.Config, state: _State):
         super().__init__(config)
@@ -648,6 +650,7 @@ class _AnnouncingServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)  # exits the process when the port cannot be bound
+        await asyncio.get_running_loop().run_in_executor(None, self.state.worker.wait_ready)  # the loop serves meanwhile
         listening = [s for server in getattr(self, "servers", []) for s in server.sockets or []]
         port = listening[0].getsockname()[1] if listening else self.config.port  # the real one for --port 0
         print("\n".join(startup_banner(self.config.host, port, self.state.model_name, *_drafting(self.state),

@@ -119,6 +119,7 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name="boosttune-engine", daemon=True)
         self._current: Job | None = None
         self._warmup_ids: list[int] | None = None
+        self._ready = threading.Event()  # set once the warm-up has ended (or there was none)
 
     def start(self, warmup_ids: list[int] | None = None) -> None:
         """Start the thread; with ``warmup_ids`` it first generates a few tokens after them, so
@@ -172,6 +173,18 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def warming(self) -> bool:
+        """Started and still generating its warm-up; requests wait in the queue meanwhile."""
+        return self._thread.is_alive() and not self._ready.is_set()
+
+    def wait_ready(self, poll: float = 0.1) -> bool:
+        """Block until the warm-up has ended (True) or the thread has stopped without ending it (False)."""
+        while not self._ready.wait(poll):
+            if not self._thread.is_alive():
+                return self._ready.is_set()
+        return True
+
     def _run(self) -> None:
         # Subnormal floats made badly scaled models ~60x slower on CPU (see boosttune/cli/__init__.py, which
         # sets this for the main thread); the setting is per thread, so the engine's thread sets its own.
@@ -183,6 +196,7 @@ class EngineWorker:
                 self.served.generate(self._warmup_ids, StopCriteria(max_new_tokens=4))
             except Exception:
                 log.exception("engine warm-up failed")
+        self._ready.set()
         if self.batch is not None:
             self._run_batched(self.batch)
             return
