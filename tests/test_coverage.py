@@ -171,6 +171,24 @@ def test_ablation_variants_share_the_run_but_not_its_heads_or_scheduler(tmp_path
     assert not script.reusable_single(src, 2.5, 0) and not script.reusable_single(src, 0, 200)
 
 
+# --------------------------------------------------------------------------- scripts/ablate_kinds.py
+def test_routing_by_category_takes_each_categorys_head_weighted_by_its_positions() -> None:
+    """Coding's 30 positions go to the coding head (top-k 0.8), math's 10 to ``all`` (no math head); so
+    (30 * 0.8 + 10 * 0.5) / 40, against ``all``'s (30 * 0.6 + 10 * 0.5) / 40."""
+    script = load_script("ablate_kinds")
+    assert script.parse_route("coding=coding, stem=qa") == {"coding": "coding", "stem": "qa"}
+    with pytest.raises(ValueError, match="CATEGORY=KIND"):
+        script.parse_route("coding")
+
+    def fig(coding: float, math: float) -> dict:
+        return {"all": {"tokens": 40, "topk": [0.0]}, "coding": {"tokens": 30, "topk": [coding]},
+                "math": {"tokens": 10, "topk": [math]}}
+
+    tables = {"all": fig(0.6, 0.5), "kind:coding": fig(0.8, 0.1)}
+    assert script.routed_topk(tables, {"coding": "coding", "math": "math"}, "all") == pytest.approx(29 / 40)
+    assert script.routed_topk(tables, {}, "all") == pytest.approx(23 / 40)
+
+
 # --------------------------------------------------------------------------- scripts/ablate_ssms.py
 def test_ssm_ablation_links_stage_one_only_where_its_record_does_not_steer_the_pool(tmp_path) -> None:
     """Stage 1 trains on every sample with one seed in every mode, but what it leaves is stage 2's pool in

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import MT_BENCH
+from conftest import MT_BENCH, load_script
 
 from boosttune.config import load_config
 from boosttune.core.rundir import RunDir
@@ -597,6 +597,16 @@ def test_feature_head_trains_after_the_ssms_and_is_evaluated(tmp_path: Path, cap
     assert served.scheduler is not None and "feature" in served.scheduler.drafters
     out = served.generate([1, 2, 3, 4, 5], stop)
     assert out.tokens == incremental_generate(served.llm.model, [1, 2, 3, 4, 5], stop).tokens
+
+    # scripts/ablate_kinds.py on this run: its head fine-tuned on every sample and on each kind's, scored per
+    # question category, and the top-k of routing each category to its kind's head
+    assert load_script("ablate_kinds").main([str(run), "--questions", str(MT_BENCH), "--limit", "2", "--max-new-tokens",
+                                             "4", "--steps", "1", "--route", "writing=writing,stem=nothing",
+                                             "--out", str(tmp_path / "kinds")]) == 0
+    fig = json.loads((tmp_path / "kinds" / "kinds.json").read_text())
+    assert set(fig["tables"]) == {"run", "all", "kind:writing"}  # no sample of kind "nothing": left out
+    assert fig["tables"]["all"]["all"]["tokens"] == 8 and fig["tables"]["all"]["writing"]["answers"] == 2
+    assert fig["routed"]["routed"] == fig["tables"]["kind:writing"]["all"]["topk"][0]  # both questions are writing
 
     from boosttune.report import collect
     from boosttune.report_plot import panels
