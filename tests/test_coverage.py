@@ -187,6 +187,11 @@ def test_routing_by_category_takes_each_categorys_head_weighted_by_its_positions
     tables = {"all": fig(0.6, 0.5), "kind:coding": fig(0.8, 0.1)}
     assert script.routed_topk(tables, {"coding": "coding", "math": "math"}, "all") == pytest.approx(29 / 40)
     assert script.routed_topk(tables, {}, "all") == pytest.approx(23 / 40)
+    # in hindsight each category takes the better of its routed head and ``all``: coding the math head's 0.9,
+    # math ``all``'s 0.5 (its own head covers 0.1)
+    assert script.routed_topk({**tables, "kind:math": fig(0.9, 0.1)}, {"coding": "math", "math": "math"}, "all",
+                              hindsight=True) == pytest.approx((30 * 0.9 + 10 * 0.5) / 40)
+    assert script.routed_topk(tables, {"coding": "coding"}, "all", hindsight=True) == pytest.approx(29 / 40)
 
 
 # --------------------------------------------------------------------------- scripts/ablate_ssms.py
