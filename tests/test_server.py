@@ -112,7 +112,7 @@ def test_health_says_warming_up_until_the_warm_up_ends_and_a_request_waits_for_i
         return generate(*args, **kwargs)
 
     monkeypatch.setattr(served, "generate", gated)
-    with ServerThread(app) as url:
+    with ServerThread(app, wait_ready=False) as url:
         r = httpx.get(f"{url}/health", timeout=10)
         assert r.status_code == 503 and r.json()["status"] == "warming up"
         with ThreadPoolExecutor(1) as pool:

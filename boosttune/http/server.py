@@ -598,11 +598,15 @@ class ServerThread:
     """uvicorn serving an app on a background thread, on a port bound before it starts.
 
     ``with ServerThread(app) as url:`` gives ``http://127.0.0.1:PORT`` (port 0 picks a free one)
-    once the server accepts connections, and stops it on exit. For tests and benchmarks.
+    once the server accepts connections and its engine has warmed up (``wait_ready=False``: as soon as
+    it accepts them, /health answering "warming up" meanwhile), and stops it on exit. For tests and
+    benchmarks.
     """
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 wait_ready: bool = True):
         self.host = host
+        self.wait_ready = wait_ready
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
@@ -624,6 +628,8 @@ class ServerThread:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not start on {self.url}")
             time.sleep(0.02)
+        if self.wait_ready and not self.state.worker.wait_ready():
+            raise RuntimeError(f"the server on {self.url} stopped during its warm-up")
         return self.url
 
     def stop(self, timeout: float = 30.0) -> None:
