@@ -441,7 +441,9 @@ class SchedulerConfig:
         ridge_alphas: L2 penalties tried by the same cross-validation.
         margin: the learned choice replaces the fallback (the best fixed choice on the training
             requests) only when predicted to be at least this much faster for the request
-            (relative, 0.02 = 2 %): small predicted edges from few requests are mostly noise.
+            (relative, 0.02 = 2 %): small predicted edges from few requests are mostly noise. The
+            fallback itself is the simplest fixed choice (fewest drafters, then shallowest) within
+            this much of the fastest.
         z_max: a request whose feature projection lies more than ``z_max`` standard deviations
             from the training data gets the fallback choice.
         calib_prompts: prompts used to time every (SSM, depth) and plain decoding.

@@ -127,6 +127,24 @@ def candidates(n_ssms: int, depths: Sequence[int]) -> list[Candidate]:
     return [Candidate(0, 0)] + [Candidate(m, k) for m in all_masks(n_ssms) for k in depths]
 
 
+def simplest_within(speeds: np.ndarray, cands: Sequence[Candidate], margin: float) -> int:
+    """The index of the fixed choice among ``cands`` by their predicted ``speeds`` (tokens/s; -inf rules
+    one out): of those within ``margin`` (relative) of the fastest, the one with the fewest drafters,
+    then the shallowest, then the fastest.
+
+    A drafter joins the fixed choice only where the costs give it ``margin`` more speed, the bar a
+    learned part must clear too. Costs timed on a few prompts move a few per cent between calibrations,
+    and on the demo the feature head with prompt lookup and prompt lookup alone came within 0.03 % of
+    each other: which of them a run shipped then depended on the calibration (docs/measurements.md,
+    *Calibration that repeats*). The simpler choice also has less to lose on a forward that verifies
+    large trees dearer than the one timed (a compiled or quantized one).
+    """
+    speeds = np.asarray(speeds, dtype=float)
+    best = float(np.max(speeds))
+    near = [i for i in range(len(cands)) if np.isfinite(speeds[i]) and speeds[i] >= (1.0 - margin) * best]
+    return min(near, key=lambda i: (len(members(cands[i].mask)), cands[i].depth, -speeds[i], i))
+
+
 @dataclass(frozen=True)
 class CandidateTable:
     """Everything about the C candidates that does not depend on the request (built once).
@@ -192,6 +210,10 @@ class Scheduler:
         per_request: choose per request from the features; False (cross-validation on the training
             requests did not show the per-request choice faster, ``offline/crossval.py``): every
             request gets the fallback (with ``lookup_depths`` when it drafts with prompt lookup).
+        fixed_tau: (C,) every candidate's mean τ over the training requests, replayed from their labels
+            (``candidates`` order): what ``recosted`` weighs new costs with. Empty (files written before
+            it): the model's prediction at the training features' mean, which can be far off (the
+            demo: prompt lookup's τ 2.19 by it, 1.16 replayed on held-out requests).
     """
 
     spec: FeatureSpec
@@ -208,6 +230,7 @@ class Scheduler:
     lookup_depths: tuple[int, ...] = ()
     drafters: tuple[str, ...] = ()
     per_request: bool = True
+    fixed_tau: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n, d = self.costs.n_ssms, self.label_depth
@@ -229,6 +252,11 @@ class Scheduler:
             raise ValueError("scheduler: lookup_depths need prompt_lookup and lengths >= 0")
         if not self.widths or self.fallback not in self.candidates:  # builds the table: not on a request
             raise ValueError("scheduler: no expansion widths, or a fallback that is not a candidate")
+        object.__setattr__(self, "fixed_tau", tuple(float(t) for t in self.fixed_tau))
+        if self.fixed_tau and (len(self.fixed_tau) != len(self.candidates)
+                               or not all(np.isfinite(t) and t >= 1.0 for t in self.fixed_tau)):
+            raise ValueError(f"scheduler: fixed_tau needs one τ >= 1 per candidate ({len(self.candidates)}), "
+                             f"got {len(self.fixed_tau)}")
 
     @property
     def n_ssms(self) -> int:
@@ -348,15 +376,24 @@ class Scheduler:
             raise ValueError(f"recosted: costs for {costs.n_ssms} drafters at depths {list(costs.depths)}, the scheduler "
                              f"chooses among {self.n_ssms} at {list(self.costs.depths)}")
         new = dataclasses.replace(self, costs=costs)
-        mean = monotone(self.model.predict(self.model.x_mean).reshape(len(all_masks(self.n_ssms)), self.label_depth),
-                        self.n_ssms)
-        tau, sec = seconds_per_token(mean, new.table, prompt_tokens, self.expected_new_tokens)
-        best = int(np.argmin(sec))
+        tau, sec = new.mean_request_costs(prompt_tokens)
+        best = simplest_within(1.0 / sec, new.candidates, self.margin)
         fallback = new.candidates[best]
         was = {"mask": self.fallback.mask, "depth": self.fallback.depth}
         meta = {**self.meta, "recosted": {"fallback_before": was, "fallback": {"mask": fallback.mask, "depth": fallback.depth},
                                           "predicted_tau": float(tau[best]), "predicted_tokens_per_s": float(1.0 / sec[best])}}
         return dataclasses.replace(new, fallback=fallback, meta=meta)
+
+    def mean_request_costs(self, prompt_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """(C,) τ and seconds per token of every candidate for the mean training request with
+        ``prompt_tokens`` of prompt: τ replayed on the training requests (``fixed_tau``), or in files
+        without it the model's prediction at the training features' mean."""
+        if self.fixed_tau:
+            tau = np.asarray(self.fixed_tau)
+            sec = self.table.step_s / tau + self.table.prefill_s_per_token * prompt_tokens / max(self.expected_new_tokens, 1.0)
+            return tau, sec
+        survival = self.model.predict(self.model.x_mean).reshape(len(all_masks(self.n_ssms)), self.label_depth)
+        return seconds_per_token(monotone(survival, self.n_ssms), self.table, prompt_tokens, self.expected_new_tokens)
 
     def fallback_choice(self, reason: str) -> Choice:
         return dataclasses.replace(
@@ -401,6 +438,7 @@ class Scheduler:
             "lookup_depths": list(self.lookup_depths),
             "drafters": list(self.drafters),
             "per_request": self.per_request,
+            "fixed_tau": list(self.fixed_tau),
         }
 
     @classmethod
@@ -424,6 +462,7 @@ class Scheduler:
             # files written before drafters were named kept their names as meta["ssms"] (or none)
             drafters=tuple(str(d) for d in body.get("drafters") or body.get("meta", {}).get("ssms") or ()),
             per_request=bool(body.get("per_request", True)),  # files before cross-validation chose per request
+            fixed_tau=tuple(float(t) for t in body.get("fixed_tau", ())),  # files before it: the model's mean
         )
 
     def save(self, path: str | Path) -> None:
@@ -505,6 +544,10 @@ def check_scheduler_body(body: dict) -> None:
     _typed(body, "prompt_lookup", bool, where, optional=True)
     _typed(body, "per_request", bool, where, optional=True)
     _int_list(body, "lookup_depths", where, 0, MAX_TREE_DEPTH, optional=True)
+    fixed_tau = _typed(body, "fixed_tau", list, where, optional=True) or []
+    most = 1 + ((1 << MAX_SCHEDULER_DRAFTERS) - 1) * MAX_TREE_DEPTH  # plain, every subset at every depth
+    if len(fixed_tau) > most or not all(isinstance(t, _NUMBER) and not isinstance(t, bool) for t in fixed_tau):
+        raise ValueError(f"{where}.fixed_tau must be a list of at most one number per candidate")
     drafters = _typed(body, "drafters", list, where, optional=True) or []
     if not all(isinstance(d, str) for d in drafters):
         raise ValueError(f"{where}.drafters must be a list of names")

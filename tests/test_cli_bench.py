@@ -491,3 +491,17 @@ def test_bench_step_times_each_feed_of_the_lean_forward(tiny_dirs, capsys):
     assert "3 request(s) of a 5-token cache" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="comma-separated"):
         load_script("bench_step").main(["--llm", str(tiny_dirs / "llm"), "--tokens", "1,x"])
+
+
+@pytest.mark.parametrize("command", [["bench", "--questions", "q", "--out", "o"], ["generate", "Hi"], ["serve", "B"]])
+def test_recost_defaults_to_on_with_quantize(command):
+    """Training's costs were timed on the eager forward: --quantize recosts unless --no-recost, --compile
+    alone does not, and --recost recosts anything (a prompt after it stays the prompt)."""
+    from boosttune.cli import _build
+    from boosttune.cli.flags import wants_recost
+
+    parser, _ = _build()
+    for extra, want in (([], False), (["--compile"], False), (["--quantize", "w8a8"], True),
+                        (["--quantize", "int8", "--no-recost"], False), (["--compile", "--recost"], True)):
+        args = parser.parse_args([*command[:1], *extra, *command[1:]])
+        assert wants_recost(args) is want, (command[0], extra)

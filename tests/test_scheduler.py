@@ -417,9 +417,78 @@ def test_recosted_takes_the_fixed_choice_again_on_the_served_forwards_costs(sche
     drafting = scheduler.recosted(cheap, prompt_tokens=4)
     assert drafting.fallback == Candidate(0b11, 2) and drafting.costs is cheap  # τ 7/3 for 0.026 s
     assert drafting.meta["recosted"]["fallback_before"] == {"mask": 0, "depth": 0}
-    assert drafting.meta["recosted"]["predicted_tau"] == pytest.approx(7 / 3, abs=0.02)
+    pair = scheduler.candidates.index(Candidate(0b11, 2))  # τ replayed on the training requests
+    assert drafting.meta["recosted"]["predicted_tau"] == pytest.approx(scheduler.fixed_tau[pair])
     assert drafting.choose(IDS, feats(1.0, 0.0)).ssm_indices == (0,)  # the per-request choice reads the new costs
     steep = dataclasses.replace(cheap, verify_s=(0.020, 0.040, 0.060, 0.100))
     assert drafting.recosted(steep, prompt_tokens=4).fallback == Candidate(0, 0)
     with pytest.raises(ValueError, match="depths"):
         scheduler.recosted(dataclasses.replace(cheap, depths=(1, 3)), prompt_tokens=4)
+
+
+def test_the_calibrated_curve_is_fitted_monotone_by_the_timings_behind_each_median():
+    """A running maximum of medians let one small group's slow median lift every larger tree after it (one
+    demo calibration: 19 one-node verifications at 59.0 ms over 608 three-node ones at 57.3 ms). The fit
+    pools a group that breaks the order with its neighbours, weighted by their sizes, and keeps the
+    medians where they are already in order."""
+    from boosttune.scheduler.calibrate import monotone_fit
+
+    assert monotone_fit([[1.0, 1.2, 0.8], [2.0], [2.0, 3.0, 4.0]]) == pytest.approx([1.0, 2.0, 3.0])
+    fit = monotone_fit([[1.0] * 10, [3.0] * 2, [2.0] * 98])  # running maximum: 1, 3, 3
+    assert fit == pytest.approx([1.0, 2.02, 2.02])
+    assert monotone_fit([[5.0, 7.0]]) == [6.0] and monotone_fit([]) == []
+
+
+def test_the_fixed_choice_is_the_simplest_within_the_margin_of_the_fastest():
+    """A drafter joins the fixed choice only where the costs give it ``margin`` more speed: near-ties
+    (the demo's head with lookup against lookup alone, 0.03 % apart) go to fewer drafters, then the
+    shallower tree; without a margin the fastest wins, and a ruled-out candidate (-inf) never does."""
+    from boosttune.scheduler.policy import simplest_within
+
+    cands = [Candidate(0, 0), Candidate(0b01, 1), Candidate(0b11, 1), Candidate(0b01, 2), Candidate(0b10, 1)]
+    speeds = np.array([10.0, 20.0, 20.3, 20.1, -np.inf])
+    assert simplest_within(speeds, cands, 0.02) == 1  # {0}@1: within 2 % of {0,1}@1, one drafter, shallowest
+    assert simplest_within(speeds, cands, 0.0) == 2
+    assert simplest_within(speeds, cands, 0.55) == 0  # plain decoding within 55 %: nothing to draft with
+    assert simplest_within(np.array([10.0, 20.0, 30.0, 25.0, 40.0]), cands, 0.02) == 4  # -inf gone: {1}@1 fastest
+
+
+def test_fitted_and_recosted_fallbacks_take_the_simpler_choice_in_a_near_tie():
+    """SSM 1 covers SSM 0's misses on one request of 12, which makes the pair 2.4 % faster in replay
+    (verification flat, SSM 1's drafts free): with a margin of 3 % the fitted fallback and the one
+    ``recosted`` takes both leave SSM 1 out; with no margin both take the pair."""
+    common = np.array([[2, 0]] * 20, dtype=np.int64)
+    rare = np.array([[2, 0]] * 15 + [[0, 2]] * 5, dtype=np.int64)
+    records = [RequestRecord(f"r{i}", feats(1.0, 0.0), rare if i == 0 else common, new_tokens=60, wall_s=1.0,
+                             prefill_s=0.01) for i in range(12)]
+    near = dataclasses.replace(costs(draft0=(0.001, 0.001), draft1=(0.0, 0.0)), verify_s=(0.02,) * 4)
+    for margin, want in ((0.03, Candidate(0b01, 2)), (0.0, Candidate(0b11, 2))):
+        cfg = SchedulerConfig(prompts="unused", depths=(1, 2), pca_components=4, ridge_alphas=(1e-3,),
+                              prompt_lookup=False, margin=margin, cv_folds=0)
+        fitted = fit_scheduler(records, near, SPEC, (1, 1), cfg)
+        assert fitted.fallback == want, margin
+        assert fitted.recosted(near, prompt_tokens=4).fallback == want, margin
+
+
+def test_recosted_weighs_costs_with_the_tau_replayed_on_the_training_requests(scheduler, tmp_path):
+    """``recosted`` ranks by each candidate's τ replayed from the training labels (``fixed_tau``), not by
+    the model at the features' mean (the demo: prompt lookup τ 2.19 by the model, 1.16 replayed on held-out
+    requests): a candidate whose replayed τ is raised becomes the choice. A file written before
+    ``fixed_tau`` loads without it and ranks by the model, as before."""
+    assert len(scheduler.fixed_tau) == len(scheduler.candidates) and min(scheduler.fixed_tau) >= 1.0
+    cheap = costs(draft0=(0.001, 0.001), draft1=(0.001, 0.001))
+    single = scheduler.candidates.index(Candidate(0b10, 1))
+    raised = dataclasses.replace(scheduler, fixed_tau=tuple(10.0 if i == single else t
+                                                            for i, t in enumerate(scheduler.fixed_tau)))
+    assert raised.recosted(cheap, prompt_tokens=4).fallback == Candidate(0b10, 1)
+    body = scheduler.to_json()
+    del body["fixed_tau"]
+    old = Scheduler.from_json(body)
+    assert old.fixed_tau == () and old.recosted(cheap, prompt_tokens=4).fallback == Candidate(0b11, 2)
+    assert old.recosted(cheap, prompt_tokens=4).meta["recosted"]["predicted_tau"] == pytest.approx(7 / 3, abs=0.02)
+    scheduler.save(tmp_path / "s.json")
+    assert Scheduler.load(tmp_path / "s.json").fixed_tau == scheduler.fixed_tau
+    with pytest.raises(ValueError, match="fixed_tau"):
+        dataclasses.replace(scheduler, fixed_tau=(1.0, 2.0))
+    with pytest.raises(ValueError, match="fixed_tau"):
+        Scheduler.from_json({**scheduler.to_json(), "fixed_tau": ["2.0"] * len(scheduler.candidates)})

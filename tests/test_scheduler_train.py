@@ -174,6 +174,30 @@ def test_server_uses_the_exported_scheduler_and_stays_lossless(run_dir, tmp_path
     assert set(stats["drafters"]) <= {"ssm-1", "ssm-2", "prompt-lookup"}  # what the scheduler chose (possibly none)
 
 
+def test_calibration_repeats_script_recosts_a_bundle_and_times_its_choices(run_dir, tmp_path, capsys):
+    """scripts/calibration_repeats.py on a bundle of the scheduler trained above: one table row per
+    repeat whose fixed choice is ``recosted``'s (so the fastest or a simpler one within the margin), then
+    plain decoding and every choice it met, timed for real."""
+    from conftest import load_script
+
+    from boosttune.export.bundle import export_bundle
+
+    assert (run_dir / "scheduler" / "scheduler.json").is_file()  # written by the first test
+    bundle = export_bundle(run_dir, tmp_path / "bundle").bundle
+    script = load_script("calibration_repeats")
+    assert script.main([str(bundle), "--repeats", "2", "--tokens", "4", "--questions", str(MT_BENCH), "--limit", "1",
+                        "--max-new-tokens", "4", "--threads", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{bundle}: shipped fixed choice ") and "(margin 0.02)" in lines[0]
+    repeats = [line.split("  ") for line in lines[3:5]]
+    assert [r[0] for r in repeats] == ["1", "2"] and lines[5].startswith("choice")
+    timed = [line.split("  ")[0] for line in lines[7:]]
+    assert timed[0] == "plain decoding" and len(timed) >= 2
+    with pytest.raises(SystemExit):
+        script.main([str(bundle), "--repeats", "0"])
+    assert "--repeats must be >= 1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("no_scheduler", [False, True])
 def test_generate_serve_and_bench_assemble_the_same_engine_from_one_bundle(run_dir, tmp_path, monkeypatch, capsys,
                                                                           no_scheduler):

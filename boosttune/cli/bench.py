@@ -12,7 +12,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from boosttune.cli.flags import add_bundle_args, add_model_args, ssm_refs, tree_override
+from boosttune.cli.flags import add_bundle_args, add_model_args, ssm_refs, tree_override, wants_recost
 
 
 def add_commands(sub) -> dict:
@@ -58,7 +58,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ssm_dtype=args.ssm_dtype, tree=tree_override(args), chat=not args.no_chat, draft_ranking=args.draft_ranking,
         prompt_lookup=args.prompt_lookup, methods=methods, llama_server=args.llama_server, llm_gguf=args.llm_gguf,
         draft_gguf=args.draft_gguf, eagle3_gguf=args.eagle3_gguf, llama_draft_max=args.llama_draft_max, device=args.device,
-        compile=args.compile, quantize=args.quantize, recost=args.recost, stack_ssms=args.stack_ssms,
+        compile=args.compile, quantize=args.quantize, recost=wants_recost(args), stack_ssms=args.stack_ssms,
     )
     try:
         with sigterm_exits():

@@ -137,10 +137,30 @@ QUANTIZE_HELP = ("serve the LLM and the drafters with quantized weights (serving
                  "fewer bytes. Lossless with respect to the quantized LLM; its output differs from the unquantized "
                  "LLM's as a quantized model's does (default off)")
 """What ``--quantize`` says, in every command that decodes."""
-RECOST_HELP = ("time the bundle scheduler's costs again on the forward being served (e.g. with --quantize or --compile, "
-               "or on another machine than training's) and take its fixed choice again (~15 s at start); its "
-               "acceptance model is still the one learned on the training prompts (default off)")
+RECOST_HELP = ("time the bundle scheduler's costs again on the forward being served and take its fixed choice again "
+               "(~15 s at start; its acceptance model stays the one learned on the training prompts). Default: on with "
+               "--quantize, whose products make trees dearer against a plain step than the eager forward the training "
+               "run timed, off otherwise; --recost also elsewhere (--compile, another machine than training's), "
+               "--no-recost never")
 """What ``--recost`` says, in every command that decodes."""
+
+
+def add_recost_arg(p: argparse.ArgumentParser) -> None:
+    """--recost / --no-recost; unset: ``wants_recost`` decides from --quantize and --compile."""
+    p.add_argument("--recost", action=argparse.BooleanOptionalAction, default=None, help=RECOST_HELP)
+
+
+def wants_recost(args: argparse.Namespace) -> bool:
+    """Whether to time the scheduler's costs again on the served forward: as asked, else with --quantize.
+    The run's costs rank the fixed choices for the eager forward they were timed on; over int8 and w8a8
+    products a tree costs more against a plain step, and there the trained choice ran at 0.81x-0.93x plain
+    decoding and the recosted one at 0.97x-1.12x (int8 on an AMX Xeon and an AVX2 EPYC, w8a8 on the EPYC;
+    w8a8 on AMX, where trees stay cheap, not measured). With --compile alone it stays off: on the AMX Xeon
+    in bf16 the recosted choice (prompt lookup alone) ran at 1.26x against the trained one's 1.39x, the
+    training prompts' acceptance overrating lookup on MT-bench (docs/measurements.md)."""
+    if args.recost is not None:
+        return bool(args.recost)
+    return bool(args.quantize)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -155,7 +175,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_device_arg(p)
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     p.add_argument("--quantize", choices=SCHEMES, default=None, help=QUANTIZE_HELP)
-    p.add_argument("--recost", action="store_true", help=RECOST_HELP)
+    add_recost_arg(p)
     p.add_argument("--ssm-dtype", default=None, help="dtype of the SSMs (default: --dtype); the output depends only on the LLM's")
     p.add_argument("--tree", default=None, choices=sorted(TREE_POLICIES), help=f"tree policy (default {default.kind})")
     p.add_argument("--widths", type=tree_widths, default=None,
@@ -233,6 +253,6 @@ def assemble_from_args(args: argparse.Namespace) -> Served:
         assemble.quantize_served(served.engine, args.quantize)
     if args.compile:
         assemble.compile_served(served)
-    if args.recost:
+    if wants_recost(args):
         assemble.recost_served(served)
     return served

@@ -9,9 +9,10 @@ from boosttune.cli.flags import (
     COMPILE_HELP,
     DTYPE_HELP,
     QUANTIZE_HELP,
-    RECOST_HELP,
     add_device_arg,
+    add_recost_arg,
     add_stack_ssms_arg,
+    wants_recost,
 )
 from boosttune.http.timeouts import ConnectionTimeouts
 from boosttune.serving.quantize import SCHEMES
@@ -99,7 +100,7 @@ def add_commands(sub) -> dict:
                         "plain steps, which cost less per token there (default 2; 0: never draft)")
     s.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     s.add_argument("--quantize", choices=SCHEMES, default=None, help=QUANTIZE_HELP)
-    s.add_argument("--recost", action="store_true", help=RECOST_HELP)
+    add_recost_arg(s)
     add_stack_ssms_arg(s)
     s.add_argument("--no-scheduler", action="store_true",
                    help="ignore the bundle's learned scheduler: every request drafts with all SSMs "
@@ -132,7 +133,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_request_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens,
                           torch_threads=engine_threads, use_scheduler=not args.no_scheduler, timeouts=timeouts,
                           max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens, compile=args.compile,
-                          quantize=args.quantize, recost=args.recost, stack_ssms=args.stack_ssms,
+                          quantize=args.quantize, recost=wants_recost(args), stack_ssms=args.stack_ssms,
                           **({} if args.draft_max_batch is None else {"draft_max_batch": args.draft_max_batch}))
     bundle = load_bundle(args.bundle, llm=args.llm, dtype=args.dtype, ssm_dtype=args.ssm_dtype, device=args.device)
     run_server(bundle, config, host=args.host, port=args.port, log_level=args.log_level)

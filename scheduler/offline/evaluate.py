@@ -25,7 +25,7 @@ import numpy as np
 from boosttune.scheduler.costs import CostModel
 from boosttune.scheduler.offline.labels import RequestRecord
 from boosttune.scheduler.offline.walk import walk, walk_seconds
-from boosttune.scheduler.policy import Candidate, Choice, Scheduler, candidates
+from boosttune.scheduler.policy import Candidate, Choice, Scheduler, candidates, simplest_within
 from boosttune.scheduler.subsets import all_masks, members
 from boosttune.serving.engine import GenerationResult, SpeculativeEngine
 from boosttune.serving.stops import StopCriteria
@@ -85,11 +85,12 @@ def best_depth(records: Sequence[RequestRecord], mask: int, costs: CostModel) ->
     return max((Candidate(mask, k) for k in costs.depths), key=lambda c: mean_tokens_per_s(records, c, costs))
 
 
-def best_fixed(records: Sequence[RequestRecord], costs: CostModel, containing: int = -1) -> Candidate:
-    """The single candidate with the best mean replayed tokens/s on ``records`` (the fallback);
-    ``containing`` >= 0: the best among those that draft with that drafter."""
+def best_fixed(records: Sequence[RequestRecord], costs: CostModel, containing: int = -1, margin: float = 0.0) -> Candidate:
+    """The single candidate with the best mean replayed tokens/s on ``records`` (the fallback; the simplest
+    within ``margin`` of it, ``policy.simplest_within``); ``containing`` >= 0: among those that draft with
+    that drafter."""
     cands = candidates(costs.n_ssms, costs.depths)
-    return best_of(rates(records, cands, costs), cands, containing)
+    return best_of(rates(records, cands, costs), cands, containing, margin)
 
 
 def rates(records: Sequence[RequestRecord], cands: Sequence[Candidate], costs: CostModel) -> np.ndarray:
@@ -98,24 +99,26 @@ def rates(records: Sequence[RequestRecord], cands: Sequence[Candidate], costs: C
     return np.array([[replay(r, c, costs).tokens_per_s for c in cands] for r in records]).reshape(len(records), len(cands))
 
 
-def best_of(rates: np.ndarray, cands: Sequence[Candidate], containing: int = -1) -> Candidate:
-    """The candidate with the best mean of (R, C) ``rates`` over its requests (the first on ties);
-    ``containing`` >= 0: among those that draft with that drafter."""
+def best_of(rates: np.ndarray, cands: Sequence[Candidate], containing: int = -1, margin: float = 0.0) -> Candidate:
+    """The candidate with the best mean of (R, C) ``rates`` over its requests, or the simplest within
+    ``margin`` of it (``policy.simplest_within``; with 0, the fewest drafters on ties); ``containing`` >= 0:
+    among those that draft with that drafter."""
     means = rates.mean(axis=0)
     if containing >= 0:
         means = np.where([containing in members(c.mask) for c in cands], means, -np.inf)
-    return cands[int(np.argmax(means))]
+    return cands[simplest_within(means, cands, margin)]
 
 
 def fixed_policies(
-    train: Sequence[RequestRecord], costs: CostModel, names: Sequence[str]
+    train: Sequence[RequestRecord], costs: CostModel, names: Sequence[str], margin: float = 0.0
 ) -> dict[str, Candidate]:
-    """none, all, single:<name> per SSM and best_fixed, each at its best depth on ``train``."""
+    """none, all, single:<name> per SSM and best_fixed (the fallback, ``best_fixed`` with ``margin``),
+    each at its best depth on ``train``."""
     full = all_masks(costs.n_ssms)[-1]
     out = {"none": Candidate(0, 0), "all": best_depth(train, full, costs)}
     for j, name in enumerate(names):
         out[f"single:{name}"] = best_depth(train, 1 << j, costs)
-    out["best_fixed"] = best_fixed(train, costs)
+    out["best_fixed"] = best_fixed(train, costs, margin=margin)
     return out
 
 

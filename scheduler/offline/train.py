@@ -49,7 +49,6 @@ from boosttune.scheduler.offline.crossval import FoldReplay, Verdict, cross_vali
 from boosttune.scheduler.offline.evaluate import (
     best_of,
     fixed_policies,
-    rates,
     real_policies,
     replay,
     replay_policies,
@@ -309,7 +308,7 @@ def train_scheduler(
         scheduler.save(run.scheduler_file)
         scheduler = Scheduler.load(run.scheduler_file)  # evaluate what serving will load
     with _timed(clock, "replay_s"):
-        fixed = fixed_policies(train_rec, costs, st.names)
+        fixed = fixed_policies(train_rec, costs, st.names, cfg.margin)
         replayed = replay_policies(eval_rec, [ids for _, ids in st.eval_req], scheduler, fixed, cfg.seed)
     with _timed(clock, "real_s"):
         say(f"real engine runs of {list(cfg.real_policies)} on {len(st.eval_req)} eval requests")
@@ -344,7 +343,7 @@ def fit_scheduler(
     ``drafters``: the names of the labels' columns (empty: ``default_drafters``)."""
     names = tuple(drafters) or default_drafters(costs.n_ssms, cfg.prompt_lookup)
     k, n = cfg.cv_folds, len(train)
-    fixed = _FixedChoices(train, costs)
+    fixed = _FixedChoices(train, costs, cfg.margin)
     full = _fit(train, costs, spec, widths, cfg, names, cfg.stepwise_lookup, fixed, range(n))
     if not k:
         return full
@@ -389,6 +388,7 @@ def _fit(
         prompt_lookup=cfg.prompt_lookup,
         lookup_depths=table,
         drafters=names,
+        fixed_tau=fixed.tau(rows),
     )
 
 
@@ -396,18 +396,26 @@ class _FixedChoices:
     """The best fixed choices on any subset of the training requests, from one replay of each
     request under each candidate (``evaluate.rates``): folds refit them without replaying again."""
 
-    def __init__(self, train: Sequence[RequestRecord], costs) -> None:
+    def __init__(self, train: Sequence[RequestRecord], costs, margin: float = 0.0) -> None:
         self.cands = candidates(costs.n_ssms, costs.depths)
-        self.rates = rates(train, self.cands, costs)
+        outcomes = [[replay(r, c, costs) for c in self.cands] for r in train]
+        self.rates = np.array([[o.tokens_per_s for o in row] for row in outcomes]).reshape(len(train), len(self.cands))
+        self.taus = np.array([[o.tau for o in row] for row in outcomes]).reshape(len(train), len(self.cands))
+        self.margin = margin
+
+    def tau(self, rows: Sequence[int]) -> tuple[float, ...]:
+        """Every candidate's mean replayed τ on the requests ``rows`` (``Scheduler.fixed_tau``)."""
+        return tuple(float(t) for t in self.taus[list(rows)].mean(axis=0))
 
     def best(self, rows: Sequence[int]) -> Candidate:
         """``evaluate.best_fixed`` on the requests ``rows``."""
-        return best_of(self.rates[list(rows)], self.cands)
+        return best_of(self.rates[list(rows)], self.cands, margin=self.margin)
 
     def lookup_base(self, rows: Sequence[int], fallback: Candidate, lookup: int) -> Candidate:
         """What the per-match table refines on ``rows``: ``fallback`` if it drafts with prompt
         lookup, else the best fixed choice that does."""
-        return fallback if lookup in members(fallback.mask) else best_of(self.rates[list(rows)], self.cands, lookup)
+        return (fallback if lookup in members(fallback.mask)
+                else best_of(self.rates[list(rows)], self.cands, lookup, self.margin))
 
 
 def _per_request_replay(train, costs, fixed: _FixedChoices, spec, widths, cfg, names) -> FoldReplay:
