@@ -88,7 +88,7 @@ class BenchConfig:
             (``serving/quantize.py``) for baseline and ours alike (and the drafters'); None keeps its
             dtype's weights.
         recost: time the learned scheduler's costs again on the forward being served and take its fixed
-            choice again (``assemble.recost_served``, ~15 s at start on the demo bundle); the commands set it
+            choice again (``assemble.recost_served``, 15-40 s at start on the demo bundle); the commands set it
             with --quantize unless told otherwise (``flags.wants_recost``).
         stack_ssms: "auto", "on" or "off": whether the SSMs draft stacked (``assemble.stacks``).
     """

@@ -138,7 +138,7 @@ QUANTIZE_HELP = ("serve the LLM and the drafters with quantized weights (serving
                  "LLM's as a quantized model's does (default off)")
 """What ``--quantize`` says, in every command that decodes."""
 RECOST_HELP = ("time the bundle scheduler's costs again on the forward being served and take its fixed choice again "
-               "(~15 s at start; its acceptance model stays the one learned on the training prompts). Default: on with "
+               "(15-40 s at start; its acceptance model stays the one learned on the training prompts). Default: on with "
                "--quantize, whose products make trees dearer against a plain step than the eager forward the training "
                "run timed, off otherwise; --recost also elsewhere (--compile, another machine than training's), "
                "--no-recost never")

@@ -121,7 +121,7 @@ class ServerConfig:
         quantize: "int8", "int4" or "w8a8": serve the LLM and the drafters quantized
             (``serving/quantize.py``); None keeps their dtype's weights.
         recost: time the learned scheduler's costs again on the forward being served and take its fixed
-            choice again (``assemble.recost_served``, ~15 s at start on the demo bundle); the commands set it
+            choice again (``assemble.recost_served``, 15-40 s at start on the demo bundle); the commands set it
             with --quantize unless told otherwise (``flags.wants_recost``).
         stack_ssms: "auto", "on" or "off": whether the bundle's SSMs draft in one stacked forward
             (``assemble.stacks``; "auto" where they carry low-rank factors over SSM 1).

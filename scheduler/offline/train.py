@@ -393,8 +393,8 @@ def _fit(
 
 
 class _FixedChoices:
-    """The best fixed choices on any subset of the training requests, from one replay of each
-    request under each candidate (``evaluate.rates``): folds refit them without replaying again."""
+    """The best fixed choices and their mean τ on any subset of the training requests, from one replay
+    of each request under each candidate (``evaluate.replay``): folds refit them without replaying again."""
 
     def __init__(self, train: Sequence[RequestRecord], costs, margin: float = 0.0) -> None:
         self.cands = candidates(costs.n_ssms, costs.depths)
