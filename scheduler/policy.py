@@ -181,8 +181,13 @@ def seconds_per_token(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Predicted (C,) τ and (C,) seconds per generated token of every candidate, from (M, D) survival."""
     tau = 1.0 + table.select @ survival.ravel()
-    sec = table.step_s / tau + table.prefill_s_per_token * prompt_tokens / max(new_tokens, 1.0)
-    return tau, sec
+    return tau, per_token_seconds(tau, table, prompt_tokens, new_tokens)
+
+
+def per_token_seconds(tau: np.ndarray, table: CandidateTable, prompt_tokens: int, new_tokens: float) -> np.ndarray:
+    """(C,) seconds per generated token of every candidate at (C,) ``tau``: its step over τ, plus its
+    drafters' catch-up on the prompt spread over the request's tokens."""
+    return table.step_s / tau + table.prefill_s_per_token * prompt_tokens / max(new_tokens, 1.0)
 
 
 @dataclass
@@ -390,8 +395,7 @@ class Scheduler:
         without it the model's prediction at the training features' mean."""
         if self.fixed_tau:
             tau = np.asarray(self.fixed_tau)
-            sec = self.table.step_s / tau + self.table.prefill_s_per_token * prompt_tokens / max(self.expected_new_tokens, 1.0)
-            return tau, sec
+            return tau, per_token_seconds(tau, self.table, prompt_tokens, self.expected_new_tokens)
         survival = self.model.predict(self.model.x_mean).reshape(len(all_masks(self.n_ssms)), self.label_depth)
         return seconds_per_token(monotone(survival, self.n_ssms), self.table, prompt_tokens, self.expected_new_tokens)
 

@@ -31,7 +31,6 @@ from boosttune import assemble
 from boosttune.core.models import eos_token_ids
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.core.table import text_table
-from boosttune.scheduler.calibrate import served_costs
 from boosttune.scheduler.policy import Candidate, Scheduler
 from boosttune.serving.engine import Plan
 from boosttune.serving.stops import StopCriteria
@@ -80,15 +79,14 @@ def main(argv: list[str] | None = None) -> int:
 
     rows, seen = [], {}
     for r in range(args.repeats):
-        start = time.perf_counter()
-        costs = served_costs(served.engine, sched.drafters, calib, sched.widths, sched.costs.depths, args.tokens,
-                             sched.draft_vocab)
-        again = sched.recosted(costs, mean_prompt)
+        served.scheduler = sched  # each repeat recosts the bundle's scheduler afresh
+        seconds = assemble.recost_served(served, calib, args.tokens)
+        again = served.scheduler
         top = ranked(again, mean_prompt)
         for cand, *_ in top[:2]:
             seen.setdefault(again.with_table(cand), None)
         seen.setdefault(again.with_table(again.fallback), None)
-        rows.append([r + 1, f"{time.perf_counter() - start:.0f}", f"{costs.verify_s[0] * 1e3:.1f}",
+        rows.append([r + 1, f"{seconds:.0f}", f"{again.costs.verify_s[0] * 1e3:.1f}",
                      again.plan(again.fallback).label,
                      *(f"{again.plan(c).label} {v:.2f} (τ {t:.2f}, {ms:.1f} ms)" for c, v, t, ms in top)])
         print(f"repeat {r + 1} done", file=sys.stderr, flush=True)

@@ -96,7 +96,15 @@ def best_fixed(records: Sequence[RequestRecord], costs: CostModel, containing: i
 def rates(records: Sequence[RequestRecord], cands: Sequence[Candidate], costs: CostModel) -> np.ndarray:
     """(R, C) replayed tokens/s of every request under every candidate: the best fixed choice of
     any subset of the requests is then a column mean away (cross-validation refits it per fold)."""
-    return np.array([[replay(r, c, costs).tokens_per_s for c in cands] for r in records]).reshape(len(records), len(cands))
+    return replayed(records, cands, costs)[0]
+
+
+def replayed(records: Sequence[RequestRecord], cands: Sequence[Candidate], costs: CostModel) -> tuple[np.ndarray, np.ndarray]:
+    """(R, C) replayed tokens/s and (R, C) τ of every request under every candidate, from one replay each."""
+    out = [[replay(r, c, costs) for c in cands] for r in records]
+    shape = (len(records), len(cands))
+    return (np.array([[o.tokens_per_s for o in row] for row in out]).reshape(shape),
+            np.array([[o.tau for o in row] for row in out]).reshape(shape))
 
 
 def best_of(rates: np.ndarray, cands: Sequence[Candidate], containing: int = -1, margin: float = 0.0) -> Candidate:

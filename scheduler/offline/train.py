@@ -52,6 +52,7 @@ from boosttune.scheduler.offline.evaluate import (
     real_policies,
     replay,
     replay_policies,
+    replayed,
 )
 from boosttune.scheduler.offline.labels import RequestRecord, collect_labels
 from boosttune.scheduler.offline.plot import plot_tokens_per_s
@@ -394,13 +395,11 @@ def _fit(
 
 class _FixedChoices:
     """The best fixed choices and their mean τ on any subset of the training requests, from one replay
-    of each request under each candidate (``evaluate.replay``): folds refit them without replaying again."""
+    of each request under each candidate (``evaluate.replayed``): folds refit them without replaying again."""
 
     def __init__(self, train: Sequence[RequestRecord], costs, margin: float = 0.0) -> None:
         self.cands = candidates(costs.n_ssms, costs.depths)
-        outcomes = [[replay(r, c, costs) for c in self.cands] for r in train]
-        self.rates = np.array([[o.tokens_per_s for o in row] for row in outcomes]).reshape(len(train), len(self.cands))
-        self.taus = np.array([[o.tau for o in row] for row in outcomes]).reshape(len(train), len(self.cands))
+        self.rates, self.taus = replayed(train, self.cands, costs)
         self.margin = margin
 
     def tau(self, rows: Sequence[int]) -> tuple[float, ...]:
