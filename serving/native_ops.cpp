@@ -147,6 +147,10 @@ inline float vsum(Vec v) {
   _mm256_store_ps(t, v);
   return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
 }
+inline __m128 vsum4(Vec a, Vec b, Vec c, Vec d) {  // {vsum(a), vsum(b), vsum(c), vsum(d)}, bit for bit:
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));  // the same pairs, same order
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
 inline Vec vset(float a) { return _mm256_set1_ps(a); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
@@ -321,26 +325,27 @@ constexpr bool W8A8_VECTORISED = true;
 #define BOOSTTUNE_W8A8_SIMD 1
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 constexpr int64_t QCH = 32;
-constexpr int64_t QRB = 2;  // 16 vector registers
 using IVec = __m256i;
 inline IVec izero() { return _mm256_setzero_si256(); }
 inline IVec iload(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline Vec icvt(IVec v) { return _mm256_cvtepi32_ps(v); }
 #if defined(__AVXVNNI__)
+constexpr int64_t QRB = 2;  // 16 vector registers
 inline IVec idot(IVec acc, IVec u, IVec s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 #else
+constexpr int64_t QRB = 4;  // w8a8_block's AVX2 form keeps its fp32 sums in memory, leaving 16 registers to
+                            // 4 rows x 2 outputs of integer sums, the 2 outputs' weights and a row's inputs
 // Without VNNI: the weight's code w = u - 128 (a signed byte), and |w| times x with w's sign moved onto x
 // (vpsignb) in vpmaddubsw, 32 multiply-adds an instruction: |w| <= 128 and |x| <= 127, so a pair's sum
 // (<= 32512) never saturates, and the sum is exact. It is sum w x, not sum (w + 128) x: SIGNED_DOT tells
 // quantize_rows to leave the 128 sum x offset out. Before, both were widened to int16 for vpmaddwd: on an
 // AVX2-only EPYC a compiled w8a8 step of 8 rows took 53.5 ms that way, 38.5 this way, of which attend_rows'
-// scalar loops took ~20 (21.0 with them vectorised, below; int8_mm's step: 24.3). The inputs' quantization
-// in AVX2 vectors, blocks of 3 or 4 rows, and |w| and w's sign made once per chunk rather than per row
-// changed nothing measurable (the 121 products at 8 rows: 36.7-39.5 ms for all five forms that session).
+// scalar loops took ~20 (21.0 with them vectorised, below; int8_mm's step: 24.3). w8a8_block has its own
+// AVX2 form (below), which makes |w| and w once per 32 weights for all the rows of a block.
 #define BOOSTTUNE_SIGNED_DOT 1
-inline IVec idot(IVec acc, IVec u, IVec s) {
-  const __m256i w = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));
-  const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(s, w));
+inline IVec signed_codes(IVec u) { return _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80))); }
+inline IVec sdot(IVec acc, IVec w_abs, IVec w, IVec s) {  // acc + sum w s, in int32 lanes of 4 pairs
+  const __m256i p = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(s, w));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 #endif
@@ -350,6 +355,7 @@ constexpr bool W8A8_VECTORISED = true;
 constexpr int64_t QCH = 64;
 constexpr bool W8A8_VECTORISED = false;  // serving/quantize.py computes w8a8 in torch then
 #endif
+constexpr int64_t QSTEP = 64;  // w8a8 blocks are multiples of this (serving/quantize.py's W8A8_BLOCKS)
 
 
 template <typename T>
@@ -359,6 +365,13 @@ float block_absmax(const T* x, int64_t n) {
     __m512 m = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(vload(x + i)));
     return _mm512_reduce_max_ps(m);
+  }
+#elif defined(__AVX2__) && defined(BOOSTTUNE_VEC)
+  if (n % 8 == 0) {  // the same maximum, 8 at a time
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, vload(x + i)));
+    return vhmax(m);
   }
 #endif
   float amax = 0.f;
@@ -379,6 +392,20 @@ int32_t block_codes(const T* x, int64_t n, float inv, int8_t* q) {
       sum = _mm512_add_epi32(sum, c);
     }
     return _mm512_reduce_add_epi32(sum);
+  }
+#elif defined(__AVX2__) && defined(BOOSTTUNE_VEC)
+  if (n % 8 == 0) {  // the same codes, 8 at a time: |x * inv| <= 127, so the saturating packs keep every code
+    const __m256 vinv = _mm256_set1_ps(inv);
+    __m256i sum = _mm256_setzero_si256();
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(vload(x + i), vinv));
+      const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(h, h));
+      sum = _mm256_add_epi32(sum, c);
+    }
+    alignas(32) int32_t t[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t), sum);
+    return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
   }
 #endif
   int32_t sum = 0;
@@ -404,7 +431,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t in, int64_t block, int8_t* 
       const int32_t sum = block_codes(x + i0, block, inv, q + i0);
       scales[r * nb + b] = a;
 #if defined(BOOSTTUNE_SIGNED_DOT)
-      (void)sum;  // the integer products are sum w x already (idot)
+      (void)sum;  // the integer products are sum w x already (sdot)
 #else
       offset += a * (128.f * static_cast<float>(sum));
 #endif
@@ -413,7 +440,52 @@ void quantize_rows(const T* x, int64_t rows, int64_t in, int64_t block, int8_t* 
   }
 }
 
-#if defined(BOOSTTUNE_W8A8_SIMD)
+#if defined(BOOSTTUNE_SIGNED_DOT)
+template <int64_t ROWS>
+void w8a8_block(const int8_t* xq, const float* xs, int64_t in, int64_t block, const uint8_t* w, float* sums) {
+  // The AVX2 form of the block below (same sums, bit for bit): 64 inputs a step, the weights' |w| and w made
+  // once per 32 for all ROWS rows, one prefetch per output a step (no branch), the blocks' fp32 sums in
+  // memory (an L1 line, touched once per block of 192-256 inputs) so that the registers hold 4 rows of
+  // integer sums, and the lanes of 4 sums reduced at once (vsum4, vsum's order). On an AVX2-only EPYC
+  // (2 threads, fp32 inputs; scripts/bench_native_builds.py, the builds alternated in one process) the
+  // default LLM's 121 products took 0.95-0.97x the generic form's time at 1 row, 0.87 at 2, 0.78-0.80 at 4,
+  // 0.74-0.80 at 8-16 rows. An earlier session timed forms like these one build after the other and saw
+  // no difference: that machine's speed drifted more than the difference within minutes.
+  alignas(32) float acc[ROWS * OB][LANES];
+  const int64_t nb = in / block;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t i0 = b * block;
+    IVec d[ROWS][OB];
+    for (int64_t r = 0; r < ROWS; ++r)
+      for (int64_t o = 0; o < OB; ++o) d[r][o] = izero();
+    for (int64_t i = i0; i < i0 + block; i += QSTEP) {
+      for (int64_t o = 0; o < OB; ++o) __builtin_prefetch(w + (AHEAD + o) * in + i, 0, 3);
+      for (int64_t h = i; h < i + QSTEP; h += QCH) {
+        IVec ws[OB], wa[OB];
+        for (int64_t o = 0; o < OB; ++o) {
+          ws[o] = signed_codes(iload(w + o * in + h));
+          wa[o] = _mm256_abs_epi8(ws[o]);
+        }
+        for (int64_t r = 0; r < ROWS; ++r) {
+          const IVec xv = iload(xq + r * in + h);
+          for (int64_t o = 0; o < OB; ++o) d[r][o] = sdot(d[r][o], wa[o], ws[o], xv);
+        }
+      }
+    }
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const Vec a = vset(xs[r * nb + b]);
+      for (int64_t o = 0; o < OB; ++o) {
+        float* f = acc[r * OB + o];
+        vstore(f, vfma(icvt(d[r][o]), a, b ? vload(f) : vzero()));
+      }
+    }
+  }
+  int64_t k = 0;
+  for (; k + 4 <= ROWS * OB; k += 4)
+    _mm_storeu_ps(sums + k, vsum4(vload(acc[k]), vload(acc[k + 1]), vload(acc[k + 2]), vload(acc[k + 3])));
+  for (; k < ROWS * OB; ++k) sums[k] = vsum(vload(acc[k]));
+}
+#elif defined(BOOSTTUNE_W8A8_SIMD)
 template <int64_t ROWS>
 void w8a8_block(const int8_t* xq, const float* xs, int64_t in, int64_t block, const uint8_t* w, float* sums) {
   // sums[r * OB + o] = sum over blocks b of xs[r, b] * dot(w row o, x row r over block b), w + 128 included
@@ -446,6 +518,9 @@ void w8a8_block(const int8_t* xq, const float* xs, int64_t in, int64_t block, co
     for (int64_t o = 0; o < OB; ++o) sums[r * OB + o] = vsum(acc[r][o]);
 }
 
+#endif
+
+#if defined(BOOSTTUNE_W8A8_SIMD)
 template <int64_t ROWS>
 void w8a8_rows(const int8_t* xq, const float* xs, int64_t in, int64_t block, const uint8_t* w, int64_t outs,
                float* sums) {
@@ -674,10 +749,10 @@ at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tens
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "boosttune_native::w8a8_mm: fp32 or bf16 inputs expected");
   const int64_t rows = x.size(0), in = x.size(1), outs = weight.size(0);
-  TORCH_CHECK(weight.size(1) == in && scales.size(0) == outs && block > 0 && block % QCH == 0 && in % block == 0,
+  TORCH_CHECK(weight.size(1) == in && scales.size(0) == outs && block > 0 && block % QSTEP == 0 && in % block == 0,
               "boosttune_native::w8a8_mm: shapes (", rows, ", ", in, ") x (", outs, ", ", weight.size(1), ") with ",
               scales.size(0), " scales and blocks of ", block, "; the block must divide in_features and be a "
-              "multiple of ", QCH);
+              "multiple of ", QSTEP);
   const at::Tensor xc = x.contiguous(), w = weight.contiguous(), sc = scales.contiguous();
   at::Tensor out = at::empty({rows, outs}, x.options());
 #if defined(BOOSTTUNE_W8A8_SIMD)

@@ -59,7 +59,8 @@ the other rows; but the input quantizer turns a last-bit difference of an input 
 w8a8 runner in fp32 also computes attention row by row (``pooled.sdpa``'s ``exact``). On an AVX2-only EPYC
 (fp32 inputs) the 121 products took 6.3 / 18.7 / 37.5 ms at 1 / 8 / 16 rows against ``int8_mm``'s 9.1 /
 23.1 / 42.8, and once that row-by-row attention ran in vectors there too, a compiled w8a8 step of 1 / 8
-tokens took 8.4 / 21.0 ms against int8's 10.5 / 24.3 (docs/measurements.md).
+tokens took 8.4 / 21.0 ms against int8's 10.5 / 24.3 (docs/measurements.md). The AVX2 form of
+``w8a8_block`` since then takes 0.95-0.97x those products' time at 1 row and 0.74-0.80x at 4 to 16.
 
 The quantization: per output channel, round to nearest (int8: symmetric, scale = max |w| / 127; int4:
 each group of ``group`` inputs mapped onto 16 levels between its min and max). A fused product

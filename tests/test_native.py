@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_llama
+from conftest import load_script, tiny_llama
 
 from boosttune.serving import compiled as compiled_mod
 from boosttune.serving import cpu_linear, native, quantize
@@ -292,3 +292,22 @@ def test_prompts_attend_each_over_their_own_rows_in_a_graph_too() -> None:
     assert torch.equal(graph(q, k, v, starts), ours)
     with pytest.raises(RuntimeError, match="starts must run from 0"):
         torch.ops.boosttune_native.attend_prompts(q, k, v, starts[:-1], 0.125)
+
+
+@needs_native
+def test_bench_native_builds_times_a_revision_beside_the_working_tree(tmp_path, capsys) -> None:
+    """scripts/bench_native_builds.py: HEAD's native_ops.cpp built under another namespace, both builds fed
+    the same products (checked equal bit for bit when the sources are the same), a row of ms per build."""
+    if subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    tiny_llama(3, vocab=128, hidden=64, layers=2).config.save_pretrained(tmp_path / "llm")
+    script = load_script("bench_native_builds")
+    assert list(script.product_shapes(tiny_llama(3, vocab=128, hidden=64, layers=1).config)) == [
+        (64 + 2 * 32, 64), (64, 64), (256, 64), (64, 128), (128, 64)]  # q/k/v fused, o, gate/up, down, head
+    assert script.main(["--against", "HEAD", "--llm", str(tmp_path / "llm"), "--rows", "1,3", "--reps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "9 products" in out and "outputs equal bit for bit" in out
+    rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in out.splitlines() if line.startswith("| ")}
+    assert float(rows["HEAD (ms)"][0]) > 0 and float(rows["working tree (ms)"][1]) > 0 and "ratio" in rows
+    with pytest.raises(SystemExit, match="git cannot show"):
+        script.main(["--against", "no-such-revision", "--llm", str(tmp_path / "llm")])
