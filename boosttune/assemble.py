@@ -160,12 +160,15 @@ CALIBRATION_PROMPTS = (
 """What ``recost_served`` times the served forward on (chat turns of several kinds, none from MT-bench)."""
 
 
-def recost_served(served: Served, prompts: Sequence[list[int]] | None = None, tokens: int = 16) -> float:
+def recost_served(served: Served, prompts: Sequence[list[int]] | None = None, tokens: int = 16,
+                  forward: str | None = None) -> float:
     """Measure the scheduler's cost model again on the forward being served and take its fixed choice
     again (``Scheduler.recosted``): after ``quantize_served`` or ``compile_served``, whose forward is not
     the eager one the training run measured. ``prompts``: token ids to time on (default: the
-    ``CALIBRATION_PROMPTS`` through the LLM's chat template). Returns the seconds it took (0 without a
-    scheduler)."""
+    ``CALIBRATION_PROMPTS`` through the LLM's chat template). ``forward``: what is served (e.g. "fp32 w8a8
+    compiled"); given, the costs are kept on disk and a later start on the same forward and machine reads
+    them instead of timing them (``recost_cache``). Returns the seconds it took (0 without a scheduler)."""
+    from boosttune import recost_cache
     from boosttune.core.prompts import encode_prompt
     from boosttune.scheduler.calibrate import served_costs
 
@@ -175,10 +178,25 @@ def recost_served(served: Served, prompts: Sequence[list[int]] | None = None, to
     start = time.perf_counter()
     if prompts is None:
         prompts = [encode_prompt(served.llm.tokenizer, text) for text in CALIBRATION_PROMPTS]
-    costs = served_costs(served.engine, sched.drafters, prompts, sched.widths, sched.costs.depths, tokens,
-                         sched.draft_vocab)
+    label = f"{forward} {served.engine.llm.model.dtype}" if forward is not None else None
+    key = recost_cache.entry_key(sched, label, prompts, tokens) if label is not None else None
+    kept = recost_cache.load(key) if key else None
+    if kept:
+        costs, where = kept
+    else:
+        costs = served_costs(served.engine, sched.drafters, prompts, sched.widths, sched.costs.depths, tokens,
+                             sched.draft_vocab)
+        where = recost_cache.save(key, costs) if key else None
     served.scheduler = sched.recosted(costs, round(sum(len(p) for p in prompts) / len(prompts)))
+    served.scheduler.meta["recosted"].update(kept=str(where) if kept else None,
+                                             saved=str(where) if where and not kept else None)
     return time.perf_counter() - start
+
+
+def forward_label(quantize: str | None, compiled: bool, batched: bool = False) -> str:
+    """How ``recost_served`` tells served forwards apart for ``recost_cache`` (the LLM's resolved dtype is
+    added there)."""
+    return " ".join([quantize or "unquantized", "compiled" if compiled else "eager"] + (["batched"] if batched else []))
 
 
 def recost_note(served: Served, seconds: float) -> str:
@@ -186,10 +204,12 @@ def recost_note(served: Served, seconds: float) -> str:
     sched = served.scheduler
     if sched is None:
         return "no scheduler: nothing to measure again"
-    before = sched.meta.get("recosted", {}).get("fallback_before", {})
+    info = sched.meta.get("recosted", {})
+    before = info.get("fallback_before", {})
     was = sched.plan(Candidate(before["mask"], before["depth"])).label if before else "?"
-    return (f"the scheduler's costs measured again on the served forward ({seconds:.1f} s): its fixed choice "
-            f"{was} -> {sched.plan(sched.fallback).label}")
+    how = (f"read from {info['kept']} (delete it to time them again)" if info.get("kept")
+           else f"measured again on the served forward ({seconds:.1f} s)")
+    return f"the scheduler's costs {how}: its fixed choice {was} -> {sched.plan(sched.fallback).label}"
 
 
 def ssm_names(n: int) -> list[str]:

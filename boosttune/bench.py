@@ -88,7 +88,8 @@ class BenchConfig:
             (``serving/quantize.py``) for baseline and ours alike (and the drafters'); None keeps its
             dtype's weights.
         recost: time the learned scheduler's costs again on the forward being served and take its fixed
-            choice again (``assemble.recost_served``, 15-40 s at start on the demo bundle); the commands set it
+            choice again (``assemble.recost_served``, 15-40 s at the first start on a forward and machine, then
+            read from ``recost_cache``); the commands set it
             with --quantize unless told otherwise (``flags.wants_recost``).
         stack_ssms: "auto", "on" or "off": whether the SSMs draft stacked (``assemble.stacks``).
     """
@@ -304,7 +305,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     if cfg.quantize:
         assemble.quantize_served(served.engine, cfg.quantize)
     compile_s = assemble.compile_served(served) if cfg.compile else None
-    recost_s = assemble.recost_served(served) if cfg.recost else None
+    recost_s = (assemble.recost_served(served, forward=assemble.forward_label(cfg.quantize, cfg.compile))
+                if cfg.recost else None)
     llm, ssms = served.llm, list(served.models.values())
     tok = llm.tokenizer
     eos = eos_token_ids(llm)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("BOOSTTUNE_RECOST_CACHE", "0")  # recosts time the forward (the cache test turns it on)
 # The README's test command runs two pytest-xdist workers (`-n 2`): each, and the processes its tests start,
 # takes its share of the (2) cores, since torch's threads in two busy processes at once oversubscribe them.
 THREADS = max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))

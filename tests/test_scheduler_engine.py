@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -231,3 +233,44 @@ def test_recost_served_measures_the_served_engine_and_decodes_exactly(models):
     assert new.costs.verify_s != sched.costs.verify_s and "recosted" in new.meta
     stop = StopCriteria(max_new_tokens=20)
     assert served.generate([5, 9, 2], stop).tokens == incremental_generate(llm, [5, 9, 2], stop).tokens
+
+
+def test_recost_served_keeps_the_costs_per_forward_and_reads_them_at_the_next_start(models, tmp_path, monkeypatch):
+    """``recost_cache``: the first start on a forward times the costs and keeps them; the next start of the
+    same scheduler on the same forward reads them (the same fixed choice, no timing); another forward, or
+    the cache turned off, times them again; a torn entry is timed again and rewritten."""
+    from test_scheduler import SPEC, synthetic_records
+    from test_scheduler import costs as trained_costs
+
+    from boosttune.assemble import Served, forward_label, recost_note, recost_served
+    from boosttune.config import SchedulerConfig
+    from boosttune.scheduler.offline.train import fit_scheduler
+
+    monkeypatch.setenv("BOOSTTUNE_RECOST_CACHE", str(tmp_path / "recost"))
+    llm, ssms = models[0], models[1][:2]
+    engine = engine_from_models(llm, ssms, TreeConfig(widths=(1, 1)))
+    cfg = SchedulerConfig(prompts="unused", depths=(1, 2), pca_components=4, ridge_alphas=(1e-3,), prompt_lookup=False)
+    sched = fit_scheduler(synthetic_records(), trained_costs(), SPEC, (1, 1), cfg)
+    prompts, label = [[5, 9, 2, 7], [3, 3, 8]], forward_label("w8a8", True)
+    assert label == "w8a8 compiled" and forward_label(None, False, True) == "unquantized eager batched"
+
+    def start(forward: str) -> Served:
+        served = Served(engine=engine, llm=None, models={}, scheduler=sched)  # type: ignore[arg-type]
+        served.seconds = recost_served(served, prompts=prompts, tokens=6, forward=forward)  # type: ignore[attr-defined]
+        return served
+
+    first = start(label)
+    saved = first.scheduler.meta["recosted"]["saved"]
+    assert saved and first.scheduler.meta["recosted"]["kept"] is None and len(list((tmp_path / "recost").iterdir())) == 1
+    again = start(label)
+    assert again.scheduler.meta["recosted"]["kept"] == saved and again.scheduler.costs == first.scheduler.costs
+    assert again.scheduler.fallback == first.scheduler.fallback and again.seconds < first.seconds
+    assert "read from" in recost_note(again, again.seconds) and "measured again" in recost_note(first, first.seconds)
+    other = start(forward_label("int8", True))
+    assert other.scheduler.meta["recosted"]["kept"] is None and len(list((tmp_path / "recost").iterdir())) == 2
+    Path(saved).write_text("{not json")
+    torn = start(label)
+    assert torn.scheduler.meta["recosted"]["kept"] is None and torn.scheduler.meta["recosted"]["saved"] == saved
+    monkeypatch.setenv("BOOSTTUNE_RECOST_CACHE", "0")
+    off = start(label)
+    assert off.scheduler.meta["recosted"]["kept"] is None and off.scheduler.meta["recosted"]["saved"] is None

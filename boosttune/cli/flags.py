@@ -138,7 +138,8 @@ QUANTIZE_HELP = ("serve the LLM and the drafters with quantized weights (serving
                  "LLM's as a quantized model's does (default off)")
 """What ``--quantize`` says, in every command that decodes."""
 RECOST_HELP = ("time the bundle scheduler's costs again on the forward being served and take its fixed choice again "
-               "(15-40 s at start; its acceptance model stays the one learned on the training prompts). Default: on with "
+               "(15-40 s at the first start on a forward and machine; later starts read the costs kept in "
+               "<cache>/recost; its acceptance model stays the one learned on the training prompts). Default: on with "
                "--quantize, whose products make trees dearer against a plain step than the eager forward the training "
                "run timed, off otherwise; --recost also elsewhere (--compile, another machine than training's), "
                "--no-recost never")
@@ -254,5 +255,5 @@ def assemble_from_args(args: argparse.Namespace) -> Served:
     if args.compile:
         assemble.compile_served(served)
     if wants_recost(args):
-        assemble.recost_served(served)
+        assemble.recost_served(served, forward=assemble.forward_label(args.quantize, args.compile))
     return served

@@ -121,7 +121,8 @@ class ServerConfig:
         quantize: "int8", "int4" or "w8a8": serve the LLM and the drafters quantized
             (``serving/quantize.py``); None keeps their dtype's weights.
         recost: time the learned scheduler's costs again on the forward being served and take its fixed
-            choice again (``assemble.recost_served``, 15-40 s at start on the demo bundle); the commands set it
+            choice again (``assemble.recost_served``, 15-40 s at the first start on a forward and machine, then
+            read from ``recost_cache``); the commands set it
             with --quantize unless told otherwise (``flags.wants_recost``).
         stack_ssms: "auto", "on" or "off": whether the bundle's SSMs draft in one stacked forward
             (``assemble.stacks``; "auto" where they carry low-rank factors over SSM 1).
@@ -205,7 +206,8 @@ class _State:
                                       lambda: assemble.compile_served(self.served, batched=config.max_batch > 1))
             log.info("compiled in %.1f s", compile_s)
         if config.recost and self.served.scheduler is not None:
-            recost_s = _with_threads(config.torch_threads, lambda: assemble.recost_served(self.served))
+            forward = assemble.forward_label(config.quantize, config.compile, config.max_batch > 1)
+            recost_s = _with_threads(config.torch_threads, lambda: assemble.recost_served(self.served, forward=forward))
             log.info("%s", assemble.recost_note(self.served, recost_s))
         self.scheduler = self.served.scheduler
         if self.scheduler is not None:
