@@ -44,7 +44,7 @@ def entry_key(sched: Scheduler, forward: str, prompts: Sequence[Sequence[int]], 
         "format": FORMAT, "costs": sched.costs.to_json(), "drafters": list(sched.drafters),
         "widths": list(sched.widths), "draft_vocab": sched.draft_vocab, "forward": forward,
         "prompts": [list(p) for p in prompts], "tokens": tokens, "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "cpu": native._cpu_digest(), "native": hashlib.sha256(source).hexdigest(),
+        "torch": torch.__version__, "cpu": native.cpu_digest(), "native": hashlib.sha256(source).hexdigest(),
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:20]
 

@@ -5,7 +5,7 @@ A shared 2-core machine drifts by up to 1.5x within minutes, so two builds timed
 hide a 25 % difference or invent one. This script builds a git revision's ``native_ops.cpp`` beside the
 working tree's (its ops renamed to ``boosttune_native_base``), feeds both the LLM's products as the lean
 runner serves them (fused q/k/v and gate/up, the LM head) at each row count, alternating the builds rep by
-rep, checks that they give the same outputs bit for bit, and prints a markdown table of median ms for all
+rep, says whether they give the same outputs bit for bit, and prints a markdown table of median ms for all
 the products once, with the ratio of the working tree's to the revision's.
 
 Usage:
@@ -102,13 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     products = [made[s] for s in product_shapes(config)]
     builds = {"revision": product_fn(BASE_OPS, args.scheme), "working tree": product_fn("boosttune_native", args.scheme)}
     times: dict[tuple[str, int], list[float]] = {(b, r): [] for b in builds for r in rows}
+    differ = 0.0  # a kernel that sums in another order may round otherwise: said, not refused
     for r in rows:
         inputs = {i: torch.randn(r, i, generator=gen) for i in {q.in_features for q in products}}
         for q in made.values():
             a, b = (f(inputs[q.in_features], q) for f in builds.values())
-            if not torch.equal(a, b):
-                raise SystemExit(f"the builds differ on a ({q.out_features}, {q.in_features}) product at {r} rows: "
-                                 f"max |difference| {float((a - b).abs().max()):.3g}")
+            differ = max(differ, float((a - b).abs().max()))
     for rep in range(args.reps):
         for r in rows:
             inputs = {i: torch.randn(r, i, generator=gen) for i in {q.in_features for q in products}}
@@ -117,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"# {platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}; "
           f"{args.scheme}, fp32 inputs; {len(products)} products; builds alternated, median of {args.reps}; "
-          "outputs equal bit for bit")
+          + ("outputs equal bit for bit" if differ == 0 else f"outputs differ by up to {differ:.3g}"))
     print("| rows | " + " | ".join(str(r) for r in rows) + " |")
     print("|---" * (len(rows) + 1) + "|")
     print(f"| {args.against} (ms) | " + " | ".join(f"{med['revision', r]:.2f}" for r in rows) + " |")

@@ -37,7 +37,7 @@ def available() -> bool:
         bin_dir = str(Path(sys.executable).parent)
         if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        cpp_extension.load(name=f"boosttune_native_{_cpu_digest()}", sources=[str(SOURCE)],
+        cpp_extension.load(name=f"boosttune_native_{cpu_digest()}", sources=[str(SOURCE)],
                            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=False)
     except Exception as e:  # a missing compiler or ninja: the Python paths stay
@@ -57,7 +57,7 @@ def reason() -> str | None:
     return _why[-1] if _why else None
 
 
-def _cpu_digest() -> str:
+def cpu_digest() -> str:
     """8 hex digits naming this CPU: its model and flags (Linux), else what ``platform`` knows."""
     text = platform.machine() + platform.processor()
     try:

@@ -445,7 +445,7 @@ template <int64_t ROWS>
 void w8a8_block(const int8_t* xq, const float* xs, int64_t in, int64_t block, const uint8_t* w, float* sums) {
   // The AVX2 form of the block below (same sums, bit for bit): 64 inputs a step, the weights' |w| and w made
   // once per 32 for all ROWS rows, one prefetch per output a step (no branch), the blocks' fp32 sums in
-  // memory (an L1 line, touched once per block of 192-256 inputs) so that the registers hold 4 rows of
+  // memory (256 bytes of L1, touched once per block of 192-256 inputs) so that the registers hold 4 rows of
   // integer sums, and the lanes of 4 sums reduced at once (vsum4, vsum's order). On an AVX2-only EPYC
   // (2 threads, fp32 inputs; scripts/bench_native_builds.py, the builds alternated in one process) the
   // default LLM's 121 products took 0.95-0.97x the generic form's time at 1 row, 0.87 at 2, 0.78-0.80 at 4,

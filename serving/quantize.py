@@ -85,7 +85,7 @@ from boosttune.serving import native
 
 SCHEMES = ("int8", "int4", "w8a8")
 W8A8_BLOCKS = 64
-"""w8a8 input blocks are multiples of this (the bytes of the native kernel's widest integer vector)."""
+"""w8a8 input blocks are multiples of this (the native kernel's step: one AVX512 vector of bytes, two AVX2 ones)."""
 W8A8_MAX_BLOCK = 256
 """The largest w8a8 input block (``w8a8_block``)."""
 NATIVE_LANES = 16

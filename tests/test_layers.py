@@ -35,6 +35,7 @@ BOOSTTUNE_MODULES: list[tuple[str, ...]] = [
     ("boosttune", "boosttune.config", "boosttune.llama_cpp", "boosttune.workload"),  # typed configs; the llama.cpp peer; request sets
     ("boosttune.report",),  # a run's summary (reads the run's config)
     ("boosttune.report_plot",),  # its figure
+    ("boosttune.recost_cache",),  # the served forward's costs kept on disk, for assemble's recost
     ("boosttune.assemble",),  # the one engine assembly
     ("boosttune.bench",),  # benchmarks through assemble and the peers
 ]

@@ -254,23 +254,22 @@ def test_recost_served_keeps_the_costs_per_forward_and_reads_them_at_the_next_st
     prompts, label = [[5, 9, 2, 7], [3, 3, 8]], forward_label("w8a8", True)
     assert label == "w8a8 compiled" and forward_label(None, False, True) == "unquantized eager batched"
 
-    def start(forward: str) -> Served:
+    def start(forward: str) -> tuple[Served, float]:
         served = Served(engine=engine, llm=None, models={}, scheduler=sched)  # type: ignore[arg-type]
-        served.seconds = recost_served(served, prompts=prompts, tokens=6, forward=forward)  # type: ignore[attr-defined]
-        return served
+        return served, recost_served(served, prompts=prompts, tokens=6, forward=forward)
 
-    first = start(label)
+    first, first_s = start(label)
     saved = first.scheduler.meta["recosted"]["saved"]
     assert saved and first.scheduler.meta["recosted"]["kept"] is None and len(list((tmp_path / "recost").iterdir())) == 1
-    again = start(label)
+    again, again_s = start(label)
     assert again.scheduler.meta["recosted"]["kept"] == saved and again.scheduler.costs == first.scheduler.costs
-    assert again.scheduler.fallback == first.scheduler.fallback and again.seconds < first.seconds
-    assert "read from" in recost_note(again, again.seconds) and "measured again" in recost_note(first, first.seconds)
-    other = start(forward_label("int8", True))
+    assert again.scheduler.fallback == first.scheduler.fallback and again_s < first_s
+    assert "read from" in recost_note(again, again_s) and "measured again" in recost_note(first, first_s)
+    other, _ = start(forward_label("int8", True))
     assert other.scheduler.meta["recosted"]["kept"] is None and len(list((tmp_path / "recost").iterdir())) == 2
     Path(saved).write_text("{not json")
-    torn = start(label)
+    torn, _ = start(label)
     assert torn.scheduler.meta["recosted"]["kept"] is None and torn.scheduler.meta["recosted"]["saved"] == saved
     monkeypatch.setenv("BOOSTTUNE_RECOST_CACHE", "0")
-    off = start(label)
+    off, _ = start(label)
     assert off.scheduler.meta["recosted"]["kept"] is None and off.scheduler.meta["recosted"]["saved"] is None
