@@ -161,13 +161,13 @@ CALIBRATION_PROMPTS = (
 
 
 def recost_served(served: Served, prompts: Sequence[list[int]] | None = None, tokens: int = 16,
-                  forward: str | None = None) -> float:
+                  keep: bool = False) -> float:
     """Measure the scheduler's cost model again on the forward being served and take its fixed choice
     again (``Scheduler.recosted``): after ``quantize_served`` or ``compile_served``, whose forward is not
     the eager one the training run measured. ``prompts``: token ids to time on (default: the
-    ``CALIBRATION_PROMPTS`` through the LLM's chat template). ``forward``: what is served (e.g. "fp32 w8a8
-    compiled"); given, the costs are kept on disk and a later start on the same forward and machine reads
-    them instead of timing them (``recost_cache``). Returns the seconds it took (0 without a scheduler)."""
+    ``CALIBRATION_PROMPTS`` through the LLM's chat template). ``keep``: the costs are kept on disk and a later
+    start on the same forward and machine reads them instead of timing them (``recost_cache``). Returns the
+    seconds it took (0 without a scheduler)."""
     from boosttune import recost_cache
     from boosttune.core.prompts import encode_prompt
     from boosttune.scheduler.calibrate import served_costs
@@ -178,8 +178,7 @@ def recost_served(served: Served, prompts: Sequence[list[int]] | None = None, to
     start = time.perf_counter()
     if prompts is None:
         prompts = [encode_prompt(served.llm.tokenizer, text) for text in CALIBRATION_PROMPTS]
-    label = f"{forward} {served.engine.llm.model.dtype}" if forward is not None else None
-    key = recost_cache.entry_key(sched, label, prompts, tokens) if label is not None else None
+    key = recost_cache.entry_key(sched, served.engine.llm, prompts, tokens) if keep and recost_cache.folder() else None
     kept = recost_cache.load(key) if key else None
     if kept:
         costs, where = kept
@@ -191,12 +190,6 @@ def recost_served(served: Served, prompts: Sequence[list[int]] | None = None, to
     served.scheduler.meta["recosted"].update(kept=str(where) if kept else None,
                                              saved=str(where) if where and not kept else None)
     return time.perf_counter() - start
-
-
-def forward_label(quantize: str | None, compiled: bool, batched: bool = False) -> str:
-    """How ``recost_served`` tells served forwards apart for ``recost_cache`` (the LLM's resolved dtype is
-    added there)."""
-    return " ".join([quantize or "unquantized", "compiled" if compiled else "eager"] + (["batched"] if batched else []))
 
 
 def recost_note(served: Served, seconds: float) -> str:

@@ -305,8 +305,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     if cfg.quantize:
         assemble.quantize_served(served.engine, cfg.quantize)
     compile_s = assemble.compile_served(served) if cfg.compile else None
-    recost_s = (assemble.recost_served(served, forward=assemble.forward_label(cfg.quantize, cfg.compile))
-                if cfg.recost else None)
+    recost_s = assemble.recost_served(served, keep=True) if cfg.recost else None
     llm, ssms = served.llm, list(served.models.values())
     tok = llm.tokenizer
     eos = eos_token_ids(llm)

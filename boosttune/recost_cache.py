@@ -3,8 +3,8 @@ skips ``--recost``'s timing (15-40 s at every start of ``serve``, ``generate`` o
 ``--quantize``) and takes the same fixed choice as the time before.
 
 An entry is named by a digest of what the timings depend on: the scheduler's own costs and candidates
-(which bundle), the forward served (its dtype, quantization, compilation and batching, as the caller
-describes it), the calibration's prompts and length, torch's threads and version, the CPU (model and
+(which bundle), the forward served (``forward_label``: the LLM runner's dtype, quantization and
+compilation), the calibration's prompts and length, torch's threads and version, the CPU (model and
 flags) and the native kernels' source. Entries live in ``<cache>/recost`` (``core.models.cache_dir``);
 ``$BOOSTTUNE_RECOST_CACHE`` names another folder, and ``0`` turns the cache off. Deleting an entry or the
 folder times the costs again.
@@ -35,14 +35,21 @@ def folder() -> Path | None:
     return Path(env).expanduser() if env else cache_dir() / "recost"
 
 
-def entry_key(sched: Scheduler, forward: str, prompts: Sequence[Sequence[int]], tokens: int) -> str:
-    """The digest naming the entry for ``sched`` timed on ``forward`` with ``prompts`` and ``tokens``."""
+def forward_label(runner: object) -> str:
+    """The LLM runner's forward as the timings see it, e.g. "torch.float32 w8a8 compiled"."""
+    quantized = getattr(runner, "quantized", None) or "unquantized"
+    compiled = "compiled" if getattr(runner, "compiled", None) is not None else "eager"
+    return f"{runner.model.dtype} {quantized} {compiled}"  # type: ignore[attr-defined]
+
+
+def entry_key(sched: Scheduler, runner: object, prompts: Sequence[Sequence[int]], tokens: int) -> str:
+    """The digest naming the entry for ``sched`` timed on ``runner``'s forward with ``prompts`` and ``tokens``."""
     from boosttune.serving import native
 
     source = native.SOURCE.read_bytes() if native.SOURCE.exists() else b""
     what = {
         "format": FORMAT, "costs": sched.costs.to_json(), "drafters": list(sched.drafters),
-        "widths": list(sched.widths), "draft_vocab": sched.draft_vocab, "forward": forward,
+        "widths": list(sched.widths), "draft_vocab": sched.draft_vocab, "forward": forward_label(runner),
         "prompts": [list(p) for p in prompts], "tokens": tokens, "threads": torch.get_num_threads(),
         "torch": torch.__version__, "cpu": native.cpu_digest(), "native": hashlib.sha256(source).hexdigest(),
     }
@@ -52,12 +59,12 @@ def entry_key(sched: Scheduler, forward: str, prompts: Sequence[Sequence[int]], 
 def load(key: str) -> tuple[CostModel, Path] | None:
     """The kept costs and their file, or None (no entry, the cache off, or an entry that does not read)."""
     where = folder()
-    if where is None or not (where / f"{key}.json").is_file():
+    if where is None:
         return None
     path = where / f"{key}.json"
     try:
         return CostModel.from_json(json.loads(path.read_text())["costs"]), path
-    except (ValueError, KeyError, TypeError):  # a torn or older entry: timed again, then rewritten
+    except (OSError, ValueError, KeyError, TypeError):  # none, or torn or older: timed again, then rewritten
         return None
 
 

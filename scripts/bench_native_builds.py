@@ -51,14 +51,10 @@ def build_revision(rev: str, repo: Path) -> None:
                                 capture_output=True, text=True).stdout
     except subprocess.CalledProcessError as e:
         raise SystemExit(f"--against {rev!r}: git cannot show serving/native_ops.cpp there ({e.stderr.strip()})") from None
-    from torch.utils import cpp_extension
-
     with tempfile.TemporaryDirectory(prefix="native_base_") as build:  # loaded, the library needs no file
         path = Path(build) / "native_ops_base.cpp"
         path.write_text(source.replace("boosttune_native", BASE_OPS))
-        cpp_extension.load(name=BASE_OPS, sources=[str(path)], build_directory=build,
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                           is_python_module=False, verbose=False)
+        native.build(BASE_OPS, path, build)
 
 
 def product_fn(ops: str, scheme: str):

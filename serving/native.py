@@ -31,15 +31,7 @@ def available() -> bool:
         _why.append("BOOSTTUNE_NATIVE=0")
         return False
     try:
-        from torch.utils import cpp_extension
-
-        # torch looks for ninja on PATH; the virtual environment's own (pip's ninja) counts too
-        bin_dir = str(Path(sys.executable).parent)
-        if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        cpp_extension.load(name=f"boosttune_native_{cpu_digest()}", sources=[str(SOURCE)],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                           is_python_module=False, verbose=False)
+        build(f"boosttune_native_{cpu_digest()}", SOURCE)
     except Exception as e:  # a missing compiler or ninja: the Python paths stay
         _why.append(f"{type(e).__name__}: {str(e)[:200]}")
         return False
@@ -50,6 +42,20 @@ def available() -> bool:
     torch.library.register_fake("boosttune_native::attend")(_sdpa_shape)
     torch.library.register_fake("boosttune_native::attend_prompts")(_prompts_shape)
     return True
+
+
+def build(name: str, source: Path, directory: str | None = None) -> None:
+    """Build and load ``source`` (a copy of native_ops.cpp, its ops under some namespace) as ``name``, for the
+    CPU at hand; ``directory``: where to build (default: torch's extension cache)."""
+    from torch.utils import cpp_extension
+
+    # torch looks for ninja on PATH; the virtual environment's own (pip's ninja) counts too
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    cpp_extension.load(name=name, sources=[str(source)], build_directory=directory,
+                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                       is_python_module=False, verbose=False)
 
 
 def reason() -> str | None:

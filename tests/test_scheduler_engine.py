@@ -242,8 +242,9 @@ def test_recost_served_keeps_the_costs_per_forward_and_reads_them_at_the_next_st
     from test_scheduler import SPEC, synthetic_records
     from test_scheduler import costs as trained_costs
 
-    from boosttune.assemble import Served, forward_label, recost_note, recost_served
+    from boosttune.assemble import Served, recost_note, recost_served
     from boosttune.config import SchedulerConfig
+    from boosttune.recost_cache import forward_label
     from boosttune.scheduler.offline.train import fit_scheduler
 
     monkeypatch.setenv("BOOSTTUNE_RECOST_CACHE", str(tmp_path / "recost"))
@@ -251,25 +252,32 @@ def test_recost_served_keeps_the_costs_per_forward_and_reads_them_at_the_next_st
     engine = engine_from_models(llm, ssms, TreeConfig(widths=(1, 1)))
     cfg = SchedulerConfig(prompts="unused", depths=(1, 2), pca_components=4, ridge_alphas=(1e-3,), prompt_lookup=False)
     sched = fit_scheduler(synthetic_records(), trained_costs(), SPEC, (1, 1), cfg)
-    prompts, label = [[5, 9, 2, 7], [3, 3, 8]], forward_label("w8a8", True)
-    assert label == "w8a8 compiled" and forward_label(None, False, True) == "unquantized eager batched"
+    prompts = [[5, 9, 2, 7], [3, 3, 8]]
+    assert forward_label(engine.llm) == "torch.float32 unquantized eager"
 
-    def start(forward: str) -> tuple[Served, float]:
+    def start(keep: bool = True) -> tuple[Served, float]:
         served = Served(engine=engine, llm=None, models={}, scheduler=sched)  # type: ignore[arg-type]
-        return served, recost_served(served, prompts=prompts, tokens=6, forward=forward)
+        return served, recost_served(served, prompts=prompts, tokens=6, keep=keep)
 
-    first, first_s = start(label)
+    first, first_s = start()
     saved = first.scheduler.meta["recosted"]["saved"]
     assert saved and first.scheduler.meta["recosted"]["kept"] is None and len(list((tmp_path / "recost").iterdir())) == 1
-    again, again_s = start(label)
+    again, again_s = start()
     assert again.scheduler.meta["recosted"]["kept"] == saved and again.scheduler.costs == first.scheduler.costs
     assert again.scheduler.fallback == first.scheduler.fallback and again_s < first_s
     assert "read from" in recost_note(again, again_s) and "measured again" in recost_note(first, first_s)
-    other, _ = start(forward_label("int8", True))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)  # another forward as the timings see it: another entry
+    try:
+        other, _ = start()
+    finally:
+        torch.set_num_threads(threads)
     assert other.scheduler.meta["recosted"]["kept"] is None and len(list((tmp_path / "recost").iterdir())) == 2
+    unkept, _ = start(keep=False)  # calibration_repeats: timed, nothing read or written
+    assert unkept.scheduler.meta["recosted"]["kept"] is None and unkept.scheduler.meta["recosted"]["saved"] is None
     Path(saved).write_text("{not json")
-    torn, _ = start(label)
+    torn, _ = start()
     assert torn.scheduler.meta["recosted"]["kept"] is None and torn.scheduler.meta["recosted"]["saved"] == saved
     monkeypatch.setenv("BOOSTTUNE_RECOST_CACHE", "0")
-    off, _ = start(label)
+    off, _ = start()
     assert off.scheduler.meta["recosted"]["kept"] is None and off.scheduler.meta["recosted"]["saved"] is None

@@ -255,5 +255,5 @@ def assemble_from_args(args: argparse.Namespace) -> Served:
     if args.compile:
         assemble.compile_served(served)
     if wants_recost(args):
-        assemble.recost_served(served, forward=assemble.forward_label(args.quantize, args.compile))
+        assemble.recost_served(served, keep=True)
     return served

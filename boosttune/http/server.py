@@ -206,8 +206,7 @@ class _State:
                                       lambda: assemble.compile_served(self.served, batched=config.max_batch > 1))
             log.info("compiled in %.1f s", compile_s)
         if config.recost and self.served.scheduler is not None:
-            forward = assemble.forward_label(config.quantize, config.compile, config.max_batch > 1)
-            recost_s = _with_threads(config.torch_threads, lambda: assemble.recost_served(self.served, forward=forward))
+            recost_s = _with_threads(config.torch_threads, lambda: assemble.recost_served(self.served, keep=True))
             log.info("%s", assemble.recost_note(self.served, recost_s))
         self.scheduler = self.served.scheduler
         if self.scheduler is not None:
