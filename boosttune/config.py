@@ -294,6 +294,11 @@ class FeatureConfig:
             token among their first ``boost.top_k`` candidates (else the tree's first width), 1 where
             none does) or ``independent`` (the same data, another seed: the ablation).
         covered_weight: ``weighted``: the loss weight of a token the earlier heads cover (0: ignored).
+        lookup_weight: every head's loss weight of an answer token prompt lookup drafts first
+            (``serving/lookup.py``, teacher forced: the latest earlier use of the newest 3, 2 or 1 tokens
+            is followed by it): boost-tuning over the drafter a bundle merges with the heads, so that they
+            learn what copying misses; where heads 1..k-1 cover the token too, the lower weight. 1: no
+            boosting over prompt lookup (the heads' recipe before it existed).
     """
 
     enabled: bool = False
@@ -313,6 +318,7 @@ class FeatureConfig:
     heads: int = 1
     boost: HeadBoost = "weighted"
     covered_weight: float = 0.1
+    lookup_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.heads < 1 or self.heads > MAX_FEATURE_HEADS:
@@ -321,6 +327,9 @@ class FeatureConfig:
             raise ValueError(f"feature.boost must be one of {typing.get_args(HeadBoost)}, got {self.boost!r}")
         if not 0 <= self.covered_weight <= 1:
             raise ValueError(f"feature.covered_weight must be in [0, 1] (1: no boosting), got {self.covered_weight}")
+        if not 0 <= self.lookup_weight <= 1:
+            raise ValueError(f"feature.lookup_weight must be in [0, 1] (1: no boosting over prompt lookup), "
+                             f"got {self.lookup_weight}")
         if not self.layers:
             raise ValueError("feature.layers must name at least one LLM layer, e.g. [-1]")
         if self.minutes < 0 or self.max_steps < 0 or (self.enabled and not self.minutes and not self.max_steps):

@@ -94,7 +94,7 @@ def _feature_from_heads(run: RunDir) -> dict | None:
     stats = [s for d in run.feature_dirs() if (s := _json(d / "stats.json")) is not None]
     if not stats:
         return None
-    out = {k: v for k, v in stats[0].items() if k != "held_out_ranks"}
+    out = {k: v for k, v in stats[0].items() if k not in ("held_out_ranks", "held_out_lookup_ranks")}
     if len(stats) > 1:
         out["heads"] = [{"head": s.get("head", feature_name(i)), "steps": (s.get("train") or {}).get("steps"),
                          "held_out_top1": (s.get("held_out") or {}).get("top1")} for i, s in enumerate(stats, start=1)]

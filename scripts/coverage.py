@@ -9,8 +9,9 @@ coverage is what an ensemble can buy, and coverage that differs by category is w
 forced, as the scheduler's replay does (an SSM: one forward over prompt + answer, ``draft_ranks``; a
 feature head: the LLM's features and the next token, ``teacher_forced_ranks``); a position is covered
 when the LLM's token ranks below ``--top`` among the drafter's logits over its draft vocabulary (the
-bundle's trees' ``draft_vocab``, else the run's tree's). Drafters without a model (prompt lookup) are
-left out. A run's EAGLE-3 head (``RUN/eagle3``, ``eagle3.enabled``) is scored too, at its first draft
+bundle's trees' ``draft_vocab``, else the run's tree's). Prompt lookup, which has no model, is scored
+with ``--lookup``: one candidate, the first token it drafts at each position (``train/coverage.py``
+``lookup_rank_rows``), and counted in the union, as a bundle merges it with the others. A run's EAGLE-3 head (``RUN/eagle3``, ``eagle3.enabled``) is scored too, at its first draft
 step over its own draft vocabulary, from the LLM's layer inputs (``eagle3_ranks``).
 
 The LLM writes its greedy answers (fp32) to the questions' first turns, or ``--answers`` reads them from
@@ -40,7 +41,8 @@ from boosttune.core.rundir import RunDir
 from boosttune.serving.draft_vocab import head_ids, load_ranking
 from boosttune.serving.drafter import draft_ranks
 from boosttune.train.batched_decode import decode_batch
-from boosttune.train.coverage import coverage_by_category
+from boosttune.train.coverage import coverage_by_category, lookup_rank_rows
+from boosttune.train.distill import Sample
 
 MODEL_KINDS = ("ssm", "feature")
 """Drafter kinds scored here: those that rank the LLM's token among logits."""
@@ -132,7 +134,6 @@ def drafter_ranks(model: LoadedModel, answers, rows: torch.Tensor | None) -> lis
 def eagle3_answer_ranks(llm: LoadedModel, head_dir: Path, answers) -> list[np.ndarray]:
     """(len_a,) ranks of each answer's tokens under a run's EAGLE-3 head at its first draft step."""
     from boosttune.core.eagle3_head import load_head
-    from boosttune.train.distill import Sample
     from boosttune.train.eagle3 import eagle3_ranks, layer_features
 
     head = load_head(head_dir, llm.model.get_input_embeddings().weight).eval()
@@ -168,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llm", default=None, help="the LLM (default: the bundle's or the run's)")
     p.add_argument("--batch-size", type=int, default=32, help="answers written at once")
     p.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
+    p.add_argument("--lookup", action="store_true", help="also score prompt lookup (its first drafted token) "
+                   "and count it in the union")
     args = p.parse_args(argv)
     if args.top < 0 or args.limit < 0 or args.max_new_tokens < 1:
         p.error("--top and --limit must be >= 0, --max-new-tokens >= 1")
@@ -185,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.source / "manifest.json").is_file() and is_complete(RunDir(args.source).eagle3_dir):
         names.append("eagle3")
         ranks.append(eagle3_answer_ranks(llm, RunDir(args.source).eagle3_dir, answers))
+    if args.lookup:
+        names.append("prompt-lookup")
+        samples = [Sample(ids=prompt + tokens, prompt_len=len(prompt)) for prompt, tokens, _ in answers]
+        ranks.append([np.asarray(r, dtype=np.int64) for r in lookup_rank_rows(samples)])
     table = coverage_by_category(ranks, categories, k)
     print(f"{len(answers)} answers, {table['all']['tokens']} tokens, {len(names)} drafters, top-{k}")
     print(format_table(names, table))

@@ -12,6 +12,7 @@ from boosttune.core.ranks import NOT_DRAFTABLE
 from boosttune.train.coverage import (
     coverage,
     coverage_summary,
+    lookup_rank_rows,
     remove_best_covered,
     sample_union_coverage,
     token_weights,
@@ -70,6 +71,19 @@ def test_token_weights_count_covered_tokens_less() -> None:
     assert token_weights([[0, 3, 1], [NOT_DRAFTABLE]], 2, 0.1) == [[0.1, 1.0, 0.1], [1.0]]
 
 
+def test_lookup_ranks_mark_where_its_first_drafted_token_is_the_llms() -> None:
+    """Prompt 5 6 7 5 6, answer 7 8 5 6 7 9, by hand (the newest 3-, 2-, then 1-gram's latest earlier use):
+    t=0 "5 6" was followed by 7: right; t=1 "5 6 7" by 5, not 8; t=2 nothing before ends in 8; t=3 "5"
+    (at 3) by 6: right; t=4 "5 6" (at 3) by 7: right; t=5 "5 6 7" (at 3) by 8, not 9."""
+    from boosttune.train.distill import Sample
+
+    sample = Sample(ids=[5, 6, 7, 5, 6, 7, 8, 5, 6, 7, 9], prompt_len=5)
+    n = NOT_DRAFTABLE
+    assert lookup_rank_rows([sample, Sample(ids=[1, 2], prompt_len=1)]) == [[0, n, n, 0, 0, n], [n]]
+    # one candidate: it covers at every k >= 1, as a merged tree's lookup branch does
+    assert coverage([lookup_rank_rows([sample])[0]], 1).tolist() == pytest.approx([0.5])
+
+
 def test_coverage_by_category_groups_answers() -> None:
     from boosttune.train.coverage import coverage_by_category
 
@@ -120,6 +134,15 @@ def test_coverage_script_on_a_run_and_its_bundle(tmp_path, capsys) -> None:
             assert all(a <= b for a, b in zip(s["top1"], s["topk"], strict=True))
         assert "| all | **union** |" in text and f"{table['all']['union_topk']:.3f}" in text
     assert figures["run"]["categories"] == figures["bundle"]["categories"]
+    # --lookup: prompt lookup's one candidate scored too, and counted in the union
+    out = tmp_path / "lookup.json"
+    assert script.main([str(run), "--questions", str(MT_BENCH), "--limit", "4", "--max-new-tokens", "8",
+                        "--top", "2", "--lookup", "--json", str(out)]) == 0
+    with_lookup = json.loads(out.read_text())
+    assert with_lookup["drafters"] == ["ssm-1", "ssm-2", "prompt-lookup"]
+    both, alone = with_lookup["categories"]["all"], figures["run"]["categories"]["all"]
+    assert both["topk"][:2] == alone["topk"] and both["union_topk"] >= alone["union_topk"]
+    assert both["topk"][2] == both["top1"][2]  # one candidate: top-1 is top-2
 
 
 def test_coverage_script_reads_answers_from_a_bench_output(tmp_path, capsys) -> None:

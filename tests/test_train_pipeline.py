@@ -618,11 +618,12 @@ def test_feature_head_trains_after_the_ssms_and_is_evaluated(tmp_path: Path, cap
 
 def test_boosted_feature_heads_train_in_turn_and_serve_merged(tmp_path: Path) -> None:
     """``feature.heads=2``: head 2 trains on what head 1 misses (its loss weighted by head 1's coverage), both
-    are measured alone and merged, and a bundle of both serves their merged tree exactly. A third head
-    added later trains alone: the first two are kept."""
+    are measured alone and merged, and a bundle of both serves their merged tree exactly. Both are boosted
+    over prompt lookup too (``feature.lookup_weight``), and the report gives the heads' union with it. A
+    third head added later trains alone: the first two are kept."""
     run = tmp_path / "heads"
     args = ("boost.num_ssms=1", "feature.enabled=true", "feature.minutes=0", "feature.max_steps=4",
-            "feature.batch_tokens=512", "feature.covered_weight=0.2")
+            "feature.batch_tokens=512", "feature.covered_weight=0.2", "feature.lookup_weight=0.5")
     proc = train(run, *args, "feature.heads=2")
     ok(proc)
     shown = proc.stdout.splitlines()  # the summary: each head, their union, each measured alone and merged
@@ -634,6 +635,9 @@ def test_boosted_feature_heads_train_in_turn_and_serve_merged(tmp_path: Path) ->
     assert [h["head"] for h in feature["heads"]] == ["feature", "feature-2"]
     assert feature["heads"][0]["boost"] is None and feature["heads"][1]["boost"] == "weighted"
     assert 0 <= feature["heads"][1]["covered_by_earlier"] <= 1
+    assert all(0 <= h["covered_by_lookup"] <= 1 for h in feature["heads"])
+    assert feature["union_coverage"] <= feature["union_coverage_with_lookup"] <= 1
+    assert 0 <= feature["lookup_coverage"] <= feature["union_coverage_with_lookup"]
     assert len(feature["head_coverages"]) == 2 and feature["coverage_k"] >= 1
     assert max(feature["head_coverages"]) <= feature["union_coverage"] <= sum(feature["head_coverages"])
     ev = report["evaluation"]

@@ -337,3 +337,24 @@ def test_teacher_forced_ranks_agree_with_token_ranks() -> None:
         want = token_ranks(hidden, model.get_output_embeddings().weight, None, torch.tensor(s.ids[s.prompt_len:]))
         assert r == want.tolist()
         assert [x == 0 for x in r] == a  # no ties in fp32 here: rank 0 is the argmax
+
+
+def test_head_loss_weights_over_prompt_lookup() -> None:
+    """``feature.lookup_weight``: every head's classification weight is lowered where prompt lookup drafts
+    the LLM's token (``lookup_rank_rows``), at the pair that guesses it, and stays 1 elsewhere; at 1 the
+    head trains unweighted (no weights at all), as before the setting existed."""
+    from boosttune.config import FeatureConfig, TrainConfig
+    from boosttune.train.pipeline import HeadData, boost_weights
+
+    # lookup is right at answer tokens 0, 3 and 4 (tests/test_coverage.py works it out by hand)
+    sample = Sample(ids=[5, 6, 7, 5, 6, 7, 8, 5, 6, 7, 9], prompt_len=5)
+    data = HeadData([sample], [], [], [], torch.arange(10), 0.0, 0)
+    cfg = TrainConfig(feature=FeatureConfig(lookup_weight=0.25))
+    weights, by_heads, by_lookup = boost_weights(cfg, None, 1, data, {}, "cpu")  # head 1: no earlier head to read
+    assert by_heads is None and by_lookup == pytest.approx(3 / 6)
+    # pair j guesses answer token t = j - prompt_len + 2; the prompt's pairs keep weight 1
+    want = [1.0] * 3 + [0.25, 1.0, 1.0, 0.25, 0.25, 1.0] + [1.0]
+    assert weights is not None and weights[0].tolist() == want
+    assert boost_weights(TrainConfig(), None, 1, data, {}, "cpu") == (None, None, None)
+    with pytest.raises(ValueError, match="feature.lookup_weight"):
+        FeatureConfig(lookup_weight=-0.1)

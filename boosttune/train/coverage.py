@@ -83,6 +83,21 @@ def token_weights(rows: Sequence[Sequence[int]], k: int, covered_weight: float) 
     return [np.where(np.asarray(r) < k, covered_weight, 1.0).tolist() for r in rows]
 
 
+def lookup_rank_rows(samples: Sequence) -> list[list[int]]:
+    """Per sample (``.ids``: prompt then answer, ``.prompt_len``), prompt lookup's rank of each answer
+    token, teacher forced as it drafts (``serving/lookup.py``): 0 where the first token it drafts there
+    is the LLM's, ``NOT_DRAFTABLE`` where it drafts another or nothing. One candidate per position, so
+    it covers a token at every ``k`` >= 1."""
+    from boosttune.core.ranks import NOT_DRAFTABLE
+    from boosttune.serving.lookup import lookup_positions
+
+    out = []
+    for s in samples:
+        accepted, _, _ = lookup_positions(s.ids[: s.prompt_len], s.ids[s.prompt_len :], 1)
+        out.append(np.where(accepted >= 1, 0, NOT_DRAFTABLE).tolist())
+    return out
+
+
 def union_rank_rows(rows: Sequence[Sequence[Sequence[int]]]) -> list[list[int]]:
     """Per sample, the union's rank of each token: the minimum over drafters (``rows[s][p]`` as in
     :func:`sample_union_coverage`)."""

@@ -66,6 +66,7 @@ from boosttune.serving.kinds import FeatureKind, SSMKind
 from boosttune.train import dist
 from boosttune.train.coverage import (
     coverage_summary,
+    lookup_rank_rows,
     remove_best_covered,
     sample_union_coverage,
     token_weights,
@@ -738,24 +739,35 @@ def _earlier_head(run: RunDir, j: int, trained: dict, device: str) -> torch.nn.M
 
 
 def boost_weights(cfg: TrainConfig, run: RunDir, k: int, d: HeadData, trained: dict, device: str
-                  ) -> tuple[list[torch.Tensor] | None, float | None]:
-    """Head ``k``'s per-pair loss weights (``feature.boost: weighted``; None for head 1 and ``independent``)
-    and the share of answer tokens heads 1..k-1 already cover."""
+                  ) -> tuple[list[torch.Tensor] | None, float | None, float | None]:
+    """Head ``k``'s per-pair loss weights (None: every pair 1), the share of answer tokens heads 1..k-1
+    already cover (``feature.boost: weighted``, k > 1; else None) and the share prompt lookup drafts
+    (``feature.lookup_weight`` < 1; else None). A token both cover takes the lower weight."""
     fc = cfg.feature
-    if k == 1 or fc.boost != "weighted":
-        return None, None
+    over_heads, over_lookup = k > 1 and fc.boost == "weighted", fc.lookup_weight < 1
+    if not over_heads and not over_lookup:
+        return None, None, None
     from boosttune.core.progress import progress
     from boosttune.train.feature import answer_ranks, pair_weights
 
     kc = coverage_k(cfg)
-    todo = [j for j in range(1, k) if j not in d.train_ranks]
-    with progress(total=len(todo) * len(d.train), desc=f"head {k}: earlier heads' ranks", unit="sample") as bar:
-        for j in todo:
-            d.train_ranks[j] = answer_ranks(_earlier_head(run, j, trained, device), d.train, d.feats, d.rows,
-                                            bar.update)
-    union = union_rank_rows([d.train_ranks[j] for j in range(1, k)])
-    covered = float(np.mean(_flat(union) < kc)) if any(union) else 0.0
-    return pair_weights(d.train, token_weights(union, kc, fc.covered_weight)), covered
+    weights = [[1.0] * (len(s.ids) - s.prompt_len) for s in d.train]
+    covered = by_lookup = None
+    if over_heads:
+        todo = [j for j in range(1, k) if j not in d.train_ranks]
+        with progress(total=len(todo) * len(d.train), desc=f"head {k}: earlier heads' ranks", unit="sample") as bar:
+            for j in todo:
+                d.train_ranks[j] = answer_ranks(_earlier_head(run, j, trained, device), d.train, d.feats, d.rows,
+                                                bar.update)
+        union = union_rank_rows([d.train_ranks[j] for j in range(1, k)])
+        covered = float(np.mean(_flat(union) < kc)) if any(union) else 0.0
+        weights = token_weights(union, kc, fc.covered_weight)
+    if over_lookup:
+        lookup = lookup_rank_rows(d.train)
+        by_lookup = float(np.mean(_flat(lookup) < kc)) if any(lookup) else 0.0
+        weights = [np.minimum(w, lw).tolist() for w, lw in zip(weights, token_weights(lookup, kc, fc.lookup_weight),
+                                                               strict=True)]
+    return pair_weights(d.train, weights), covered, by_lookup
 
 
 def train_feature_head(cfg: TrainConfig, run: RunDir, k: int, d: HeadData, llm: LoadedModel, trained: dict
@@ -768,7 +780,7 @@ def train_feature_head(cfg: TrainConfig, run: RunDir, k: int, d: HeadData, llm: 
 
     fc = cfg.feature
     device = str(llm.model.device)
-    weights, covered = boost_weights(cfg, run, k, d, trained, device)
+    weights, covered, by_lookup = boost_weights(cfg, run, k, d, trained, device)
     head = build_head(llm.model, fc.layers).to(llm.model.device)
     before = evaluate_head(head, d.held, d.held_feats, d.rows)
     name = feature_name(k)
@@ -781,11 +793,13 @@ def train_feature_head(cfg: TrainConfig, run: RunDir, k: int, d: HeadData, llm: 
     summary = {"config": json.loads(json.dumps(asdict(fc))), "head": name, "feature_seconds": d.feature_seconds,
                "train": stats, "held_out_before": before, "held_out": after,
                "samples": len(d.train), "held_out_samples": len(d.held), "recorded_by_teacher": d.recorded,
-               "boost": fc.boost if k > 1 else None, "covered_by_earlier": covered,
-               "held_out_ranks": answer_ranks(head, d.held, d.held_feats, d.rows)}
+               "boost": fc.boost if k > 1 else None, "covered_by_earlier": covered, "covered_by_lookup": by_lookup,
+               "held_out_ranks": answer_ranks(head, d.held, d.held_feats, d.rows),
+               "held_out_lookup_ranks": lookup_rank_rows(d.held)}
     _log(f"{name}: {stats['steps']} steps in {stats['seconds']:.0f} s, held-out top-1 "
          f"{before['top1']:.3f} -> {after['top1']:.3f} (features {d.feature_seconds:.0f} s)"
-         + (f", {covered:.3f} of answer tokens covered by heads 1..{k - 1}" if covered is not None else ""))
+         + (f", {covered:.3f} of answer tokens covered by heads 1..{k - 1}" if covered is not None else "")
+         + (f", {by_lookup:.3f} drafted by prompt lookup" if by_lookup is not None else ""))
     head.config.use_cache = True
     meta = {"layers": list(fc.layers), "draft_vocab": fc.draft_vocab}
     _publish_model(head, llm.tokenizer, run.feature_head_dir(k), {"feature": True}, stats=summary,
@@ -850,16 +864,21 @@ def heads_summary(summaries: list[dict], k: int) -> dict:
     """The report's ``feature`` entry: the first head's statistics, the heads' held-out top-``k``
     coverage and their union's (where every head recorded its held-out ranks) and, with more than one
     head, a line per head."""
-    out = {n: v for n, v in summaries[0].items() if n != "held_out_ranks"}
+    out = {n: v for n, v in summaries[0].items() if n not in ("held_out_ranks", "held_out_lookup_ranks")}
     ranks = [s.get("held_out_ranks") for s in summaries]
     if all(r is not None for r in ranks):
         c = coverage_summary(np.stack([_flat(r) for r in ranks]), k)
         out |= {"coverage_k": k, "head_coverages": c["topk"], "union_coverage": c["union_topk"],
                 "union_gain_over_best_single": c["union_gain"]}
+        lookup = summaries[0].get("held_out_lookup_ranks")  # the same samples for every head
+        if lookup is not None:  # what a bundle serves: the heads merged with prompt lookup
+            c = coverage_summary(np.stack([_flat(r) for r in [*ranks, lookup]]), k)
+            out |= {"lookup_coverage": c["topk"][-1], "union_coverage_with_lookup": c["union_topk"]}
     if len(summaries) > 1:
         out["heads"] = [{"head": s.get("head", feature_name(i)), "boost": s.get("boost"), "steps": s["train"]["steps"],
                          "seconds": s["train"]["seconds"], "held_out_top1": s["held_out"]["top1"],
-                         "covered_by_earlier": s.get("covered_by_earlier")}
+                         "covered_by_earlier": s.get("covered_by_earlier"),
+                         "covered_by_lookup": s.get("covered_by_lookup")}
                         for i, s in enumerate(summaries, start=1)]
     return out
 
