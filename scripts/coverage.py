@@ -40,6 +40,7 @@ from boosttune.core.prompts import Prompt, encode_prompt, read_prompts
 from boosttune.core.rundir import RunDir
 from boosttune.serving.draft_vocab import head_ids, load_ranking
 from boosttune.serving.drafter import draft_ranks
+from boosttune.serving.lookup import LOOKUP_NAME
 from boosttune.train.batched_decode import decode_batch
 from boosttune.train.coverage import coverage_by_category, lookup_rank_rows
 from boosttune.train.distill import Sample
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         names.append("eagle3")
         ranks.append(eagle3_answer_ranks(llm, RunDir(args.source).eagle3_dir, answers))
     if args.lookup:
-        names.append("prompt-lookup")
+        names.append(LOOKUP_NAME)
         samples = [Sample(ids=prompt + tokens, prompt_len=len(prompt)) for prompt, tokens, _ in answers]
         ranks.append([np.asarray(r, dtype=np.int64) for r in lookup_rank_rows(samples)])
     table = coverage_by_category(ranks, categories, k)

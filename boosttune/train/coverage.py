@@ -16,6 +16,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from boosttune.core.ranks import NOT_DRAFTABLE
+from boosttune.serving.lookup import lookup_positions
+
 
 def _ranks(ranks) -> np.ndarray:
     r = np.asarray(ranks)
@@ -88,9 +91,6 @@ def lookup_rank_rows(samples: Sequence) -> list[list[int]]:
     token, teacher forced as it drafts (``serving/lookup.py``): 0 where the first token it drafts there
     is the LLM's, ``NOT_DRAFTABLE`` where it drafts another or nothing. One candidate per position, so
     it covers a token at every ``k`` >= 1."""
-    from boosttune.core.ranks import NOT_DRAFTABLE
-    from boosttune.serving.lookup import lookup_positions
-
     out = []
     for s in samples:
         accepted, _, _ = lookup_positions(s.ids[: s.prompt_len], s.ids[s.prompt_len :], 1)
