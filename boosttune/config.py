@@ -294,7 +294,7 @@ class FeatureConfig:
             token among their first ``boost.top_k`` candidates (else the tree's first width), 1 where
             none does) or ``independent`` (the same data, another seed: the ablation).
         covered_weight: ``weighted``: the loss weight of a token the earlier heads cover (0: ignored).
-        lookup_weight: every head's loss weight of an answer token prompt lookup drafts first
+        lookup_weight: every head's cross-entropy weight on an answer token prompt lookup drafts first
             (``serving/lookup.py``, teacher forced: the latest earlier use of the newest 3, 2 or 1 tokens
             is followed by it): boost-tuning over the drafter a bundle merges with the heads, so that they
             learn what copying misses; where heads 1..k-1 cover the token too, the lower weight. 1: no

@@ -11,8 +11,9 @@ feature head: the LLM's features and the next token, ``teacher_forced_ranks``); 
 when the LLM's token ranks below ``--top`` among the drafter's logits over its draft vocabulary (the
 bundle's trees' ``draft_vocab``, else the run's tree's). Prompt lookup, which has no model, is scored
 with ``--lookup``: one candidate, the first token it drafts at each position (``train/coverage.py``
-``lookup_rank_rows``), and counted in the union, as a bundle merges it with the others. A run's EAGLE-3 head (``RUN/eagle3``, ``eagle3.enabled``) is scored too, at its first draft
-step over its own draft vocabulary, from the LLM's layer inputs (``eagle3_ranks``).
+``lookup_rank_rows``), counted in the union as a bundle merges it with the others. A run's EAGLE-3 head
+(``RUN/eagle3``, ``eagle3.enabled``) is scored too, at its first draft step over its own draft
+vocabulary, from the LLM's layer inputs (``eagle3_ranks``).
 
 The LLM writes its greedy answers (fp32) to the questions' first turns, or ``--answers`` reads them from
 a `boosttune bench` output (``DIR/<method>.jsonl``, matched by ``question_id``; the answer text is
@@ -21,7 +22,7 @@ tokenised again, which can differ from the tokens generated where the text does 
 Usage:
     python scripts/coverage.py runs/demo-bundle --questions ../shared/data/mt_bench/question.jsonl
     python scripts/coverage.py runs/demo --questions ../shared/data/mt_bench/question.jsonl --limit 40 \\
-        [--top 3] [--answers bench/ours.jsonl] [--json coverage.json]
+        [--top 3] [--answers bench/ours.jsonl] [--json coverage.json] [--lookup]
 """
 
 from __future__ import annotations
