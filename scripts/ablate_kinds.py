@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.run / "config.yaml")
     llm = load_model(cfg.llm.ref, torch.float32)
     data = pipeline.prompts_and_teacher(cfg, run, llm)  # a finished run's: read, not generated
-    train, feats, _ = pipeline._recorded_features(run, cfg.teacher.shard_size, data.train, 0)
+    train, feats, _ = pipeline.recorded_features(run, cfg.teacher.shard_size, data.train, 0)
     if any(f is None for f in feats):
         p.error(f"{args.run}: the teacher did not record the LLM's features for every sample")
     kinds = [pr.category for pr in data.prompts[: len(train)]]

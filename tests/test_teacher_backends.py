@@ -173,7 +173,7 @@ def test_the_teacher_keeps_the_llms_features_beside_its_shards(tmp_path) -> None
     from boosttune.config import TeacherConfig
     from boosttune.core.rundir import RunDir
     from boosttune.train.distill import samples_from_teacher
-    from boosttune.train.pipeline import _recorded_features
+    from boosttune.train.pipeline import recorded_features
     from boosttune.train.sources import TrainPrompt
     from boosttune.train.teacher.backends import run_teacher
     from boosttune.train.teacher.shards import features_path, load_features, load_teacher
@@ -192,6 +192,6 @@ def test_the_teacher_keeps_the_llms_features_beside_its_shards(tmp_path) -> None
     features_path(run.teacher_shard(1)).unlink()  # shard 1 (prompts 4, 5) written without features
     assert load_features(run, [3, 4], 4)[1] is None
 
-    kept, got, n = _recorded_features(run, 4, samples[2:], 2)
+    kept, got, n = recorded_features(run, 4, samples[2:], 2)
     assert n == 2 and got[2] is None and got[3] is None
     assert kept[0].ids == samples[2].ids[:-1] and kept[2].ids == samples[4].ids  # recorded: the unfed last token goes

@@ -659,7 +659,7 @@ def _same_feature_settings(saved: dict | None, now: FeatureConfig, k: int = 1) -
     return {n: v for n, v in was.items() if n not in ignored} == {n: v for n, v in want.items() if n not in ignored}
 
 
-def _recorded_features(run: RunDir, shard_size: int, samples: list, first: int) -> tuple[list, list, int]:
+def recorded_features(run: RunDir, shard_size: int, samples: list, first: int) -> tuple[list, list, int]:
     """The samples (prompt indices ``first``...) and the features the teacher recorded for them:
     where it did, the sample loses its last token (never fed to the LLM, so it has no feature); None
     where it did not (its features are computed). Also how many were recorded."""
@@ -677,7 +677,7 @@ def _recorded_features(run: RunDir, shard_size: int, samples: list, first: int) 
 
 def feature_phase(cfg: TrainConfig, run: RunDir, data: TeacherData, llm: RunLLM) -> dict | None:
     """Rank 0 trains the feature heads (``feature.enabled``, ``feature.heads`` of them) on every training
-    sample, after the SSMs, on the LLM features the teacher recorded (:func:`_recorded_features`;
+    sample, after the SSMs, on the LLM features the teacher recorded (:func:`recorded_features`;
     computed where it did not); head k > 1 boost-tuned on what heads 1..k-1 miss (``feature.boost``).
     Returns the first head's statistics with the heads' held-out coverage (None: disabled, or another
     rank). A head trained with the same settings is not trained again (other settings replace it and
@@ -697,8 +697,8 @@ def feature_phase(cfg: TrainConfig, run: RunDir, data: TeacherData, llm: RunLLM)
     vocab = llm.model.get_output_embeddings().weight.shape[0]
     rows = head_ids(load_ranking(run.draft_vocab_path), fc.draft_vocab, vocab) if fc.draft_vocab else torch.arange(vocab)
     t0 = time.perf_counter()
-    train, feats, train_recorded = _recorded_features(run, cfg.teacher.shard_size, data.train, 0)
-    held, held_feats, held_recorded = _recorded_features(run, cfg.teacher.shard_size, data.held, len(train))
+    train, feats, train_recorded = recorded_features(run, cfg.teacher.shard_size, data.train, 0)
+    held, held_feats, held_recorded = recorded_features(run, cfg.teacher.shard_size, data.held, len(train))
     every, every_feats = train + held, feats + held_feats
     todo = [i for i, f in enumerate(every_feats) if f is None]
     with progress(total=len(todo), desc="LLM features", unit="sample") as bar:
