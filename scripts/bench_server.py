@@ -4,6 +4,8 @@ Starts ``boosttune serve BUNDLE`` in a subprocess on a free local port (or uses 
 each concurrency level C sends ``--requests`` requests from C client threads with the official
 openai client and reports requests/s, completion tokens/s, p50/p95/p99 latency, mean queue wait and
 the τ (tokens per LLM forward) that the server reported in each response's ``boosttune`` statistics.
+Where a server's levels start with one client, each later level's p50 is also given against that
+single-client p50 ("p50 / 1 client"), the measure of how much a loaded server slows each request.
 
 ``--servers one,batched`` runs the same levels against a server that decodes one request at a time
 (``--max-batch 1``) and one that batches (``--max-batch``), one after the other in one run, and for
@@ -55,6 +57,7 @@ class LevelResult:
     latency_p99_s: float = float("nan")
     server: str = "default"
     identical_to_one_at_a_time: int | None = None
+    p50_over_one_client: float | None = None  # against the 1-client level of the same server start
 
 
 def _free_port() -> int:
@@ -158,11 +161,12 @@ def run_level(client: OpenAI, model: str, prompts: list[str], concurrency: int, 
 
 
 def format_table(results: list[LevelResult]) -> str:
-    head = ("server", "clients", "requests", "req/s", "tok/s", "p50 s", "p95 s", "p99 s", "queue s", "tau",
-            "same answers")
+    head = ("server", "clients", "requests", "req/s", "tok/s", "p50 s", "p50 / 1 client", "p95 s", "p99 s", "queue s",
+            "tau", "same answers")
     rows = [head] + [
         (r.server, str(r.concurrency), str(r.requests), f"{r.requests_per_s:.2f}", f"{r.completion_tokens_per_s:.1f}",
-         f"{r.latency_p50_s:.2f}", f"{r.latency_p95_s:.2f}", f"{r.latency_p99_s:.2f}", f"{r.queue_mean_s:.2f}",
+         f"{r.latency_p50_s:.2f}", "-" if r.p50_over_one_client is None else f"{r.p50_over_one_client:.2f}x",
+         f"{r.latency_p95_s:.2f}", f"{r.latency_p99_s:.2f}", f"{r.queue_mean_s:.2f}",
          f"{r.tau:.2f}",
          "-" if r.identical_to_one_at_a_time is None else f"{r.identical_to_one_at_a_time}/{r.requests}")
         for r in results
@@ -220,9 +224,14 @@ def main(argv: list[str] | None = None) -> int:
             client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=3600)
             model = client.models.list().data[0].id
             _one(client, model, prompts[0], args)  # warm-up
+            one_client = None  # this server's 1-client p50, where that level ran first
             for c in args.concurrency:
                 level = run_level(client, model, prompts, c, args, answers[mode].setdefault(c, []))
                 level.server = mode
+                if c == 1:
+                    one_client = level.latency_p50_s
+                elif one_client:
+                    level.p50_over_one_client = level.latency_p50_s / one_client
                 results.append(level)
                 print(f"{mode} server, concurrency {c}: {level.requests_per_s:.2f} req/s, "
                       f"{level.completion_tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)

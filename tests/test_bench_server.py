@@ -25,5 +25,11 @@ def test_one_at_a_time_and_batched_servers_in_one_run_give_the_same_answers(tmp_
         assert r["latency_p50_s"] <= r["latency_p95_s"] <= r["latency_p99_s"]
         # fp32 greedy: the batched server's answers are the one-at-a-time server's, request by request
         assert r["identical_to_one_at_a_time"] == (None if server == "one" else 6)
+    ratios = {}
+    for server in ("one", "batched"):  # 4 clients' p50 against the same server's 1-client p50
+        ratios[server] = levels[(server, 4)]["latency_p50_s"] / levels[(server, 1)]["latency_p50_s"]
+        assert levels[(server, 4)]["p50_over_one_client"] == ratios[server]
+        assert levels[(server, 1)]["p50_over_one_client"] is None
     table = capsys.readouterr().out
     assert "same answers" in table and "6/6" in table
+    assert "p50 / 1 client" in table and all(f"{r:.2f}x" in table for r in ratios.values())
