@@ -19,6 +19,7 @@ of the LLM's tokens, so its summary's ``union_coverage`` of SSMs 1..k costs one 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import random
@@ -730,6 +731,16 @@ class HeadData:
     train_ranks: dict[int, list[list[int]]] = field(default_factory=dict)
     """Head j's ranks of the training answers, once computed (boosting head k needs heads 1..k-1's)."""
 
+    @functools.cached_property
+    def train_lookup_ranks(self) -> list[list[int]]:
+        """Prompt lookup's ranks of the training answers (``lookup_rank_rows``), computed once for every head."""
+        return lookup_rank_rows(self.train)
+
+    @functools.cached_property
+    def held_lookup_ranks(self) -> list[list[int]]:
+        """Prompt lookup's ranks of the held-out answers, computed once for every head."""
+        return lookup_rank_rows(self.held)
+
 
 def _earlier_head(run: RunDir, j: int, trained: dict, device: str) -> torch.nn.Module:
     """Head ``j``: the one this process trained, else the run's saved one."""
@@ -763,7 +774,7 @@ def boost_weights(cfg: TrainConfig, run: RunDir, k: int, d: HeadData, trained: d
         covered = float(np.mean(_flat(union) < kc)) if any(union) else 0.0
         weights = token_weights(union, kc, fc.covered_weight)
     if over_lookup:
-        lookup = lookup_rank_rows(d.train)
+        lookup = d.train_lookup_ranks
         by_lookup = float(np.mean(_flat(lookup) < kc)) if any(lookup) else 0.0
         weights = [np.minimum(w, lw).tolist() for w, lw in zip(weights, token_weights(lookup, kc, fc.lookup_weight),
                                                                strict=True)]
@@ -795,7 +806,7 @@ def train_feature_head(cfg: TrainConfig, run: RunDir, k: int, d: HeadData, llm: 
                "samples": len(d.train), "held_out_samples": len(d.held), "recorded_by_teacher": d.recorded,
                "boost": fc.boost if k > 1 else None, "covered_by_earlier": covered, "covered_by_lookup": by_lookup,
                "held_out_ranks": answer_ranks(head, d.held, d.held_feats, d.rows),
-               "held_out_lookup_ranks": lookup_rank_rows(d.held)}
+               "held_out_lookup_ranks": d.held_lookup_ranks}
     _log(f"{name}: {stats['steps']} steps in {stats['seconds']:.0f} s, held-out top-1 "
          f"{before['top1']:.3f} -> {after['top1']:.3f} (features {d.feature_seconds:.0f} s)"
          + (f", {covered:.3f} of answer tokens covered by heads 1..{k - 1}" if covered is not None else "")
