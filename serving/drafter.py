@@ -134,6 +134,7 @@ class SSMDrafter:
         self.runner = runner
         self.ranking = ranking
         self._head_k = 0  # draft vocabulary size the runner's head is cut to (0: whole); a cache
+        self._head_in_vocab = False  # the runner's head is cut and its ids are LLM tokens: greedy ranks them alone
         self.vocab_size = vocab_size
         self._synced = 0  # committed tokens whose KV entries sit at the start of the cache
         self._committed_len = 0  # committed length at the last draft
@@ -172,6 +173,8 @@ class SSMDrafter:
         if k != self._head_k:
             self.runner.restrict_head(self._head(k))
             self._head_k = k
+            ids = self.runner.head_ids
+            self._head_in_vocab = ids is not None and (self.vocab_size is None or int(ids.max()) < self.vocab_size)
 
     def prepare(self, tree: TreeConfig) -> None:
         """Make ready to draft ``tree``s: the LM head cut to its draft vocabulary now, not at the first
@@ -204,7 +207,15 @@ class SSMDrafter:
         t = committed.shape[0]
         self._committed_len = t
         self._sync_head(cfg.draft_vocab)
-        q_root = draft_probs(self._catch_up(committed).unsqueeze(0), sampling)  # (1, V)
+        # greedy drafts over a draft vocabulary rank its K logits only: the other V - K are -inf (q = 0),
+        # and ranking 8,192 instead of 49,152 took a head's softmax and top-k from 0.25 to 0.10 ms a step (AMX, bf16)
+        ids = self.runner.head_ids if greedy and self._head_in_vocab else None
+
+        def probs(logits: Tensor) -> Tensor:
+            """(F, V_ssm) logits → (F, V) q, or (F, K) over the draft vocabulary ``ids`` (greedy)."""
+            return draft_probs(self._fit(logits) if ids is None else logits.index_select(-1, ids), sampling)
+
+        q_root = probs(self._catch_up(committed).unsqueeze(0))  # (1, V) or (1, K)
 
         tokens, parents, q_prob, dist_row = [], [], [], []
         cum, depths = [], []
@@ -220,6 +231,8 @@ class SSMDrafter:
                 q_frontier = q_frontier[sel.to(q_frontier.device)]
             child_tok, valid = choose_children(q_frontier, policy.width(cfg, d), greedy, generator)  # (F, W)
             child_q = q_frontier.gather(1, child_tok)  # (F, W)
+            if ids is not None:
+                child_tok = ids[child_tok]  # draft vocabulary rows → token ids
             # the tree's bookkeeping lives on the host (its lists sync anyway): bring the small
             # (F, W) choices over once per depth; no copy when the SSM runs on the CPU
             child_tok, valid, child_q = child_tok.cpu(), valid.cpu(), child_q.cpu()
@@ -251,7 +264,7 @@ class SSMDrafter:
             logits = self._feed_nodes(torch.tensor(tokens, dtype=torch.long), par_t, new_idx, d + 1, t, mask)
             fed += new_idx.tolist()
             frontier = new_idx
-            q_frontier = draft_probs(self._fit(logits), sampling)  # (F', V)
+            q_frontier = probs(logits)  # (F', V) or (F', K)
             cum_frontier = new_cum
 
         long = dict(dtype=torch.long)

@@ -31,6 +31,7 @@ from boosttune.serving.drafter import SSMDrafter
 from boosttune.serving.engine import Plan, SpeculativeEngine
 from boosttune.serving.lean import drafter_runner
 from boosttune.serving.runner import ModelRunner, restricted_head_error
+from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stops import StopCriteria
 from boosttune.serving.tree import TreeConfig
 
@@ -101,6 +102,24 @@ def test_greedy_with_a_draft_vocabulary_matches_incremental(seed, k):
     if k == 3:
         assert not set(ref.tokens) <= drafted, "the test needs LLM tokens outside the draft vocabulary"
     assert sum(out.proposer_hits.values()) > 0
+
+
+def test_greedy_drafts_rank_the_draft_vocabulary_alone():
+    """A greedy tree ranks the K logits of its draft vocabulary instead of all V (the others are -inf):
+    the same children, in the same order, with the same q, as ranking the whole row."""
+    model = tiny_llama(25, layers=2)
+    ranking = torch.randperm(64, generator=torch.Generator().manual_seed(5))
+    tree = TreeConfig(widths=(3, 2), draft_vocab=12)
+    fast, whole = (SSMDrafter(drafter_runner(model), 64, ranking) for _ in range(2))
+    for d in (fast, whole):
+        d.prepare(tree)
+    whole._head_in_vocab = False  # the reference: softmax and top-k over the whole row
+    committed = torch.tensor([3, 4, 5, 6, 7])
+    a, b = (d.draft(committed, tree, SamplingParams(), None) for d in (fast, whole))
+    assert a.size == b.size == 3 + 3 * 2
+    assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+    torch.testing.assert_close(a.q_prob, b.q_prob, rtol=1e-5, atol=1e-6)
+    assert set(a.tokens.tolist()) <= set(head_ids(ranking, 12, 64).tolist())
 
 
 def test_a_tree_with_a_draft_vocabulary_needs_a_ranking():
