@@ -79,6 +79,21 @@ def test_tiny_llama_loads_by_path(tiny_llama_dir: Path) -> None:
         torch.testing.assert_close(loaded.model.state_dict()[name], tensor, rtol=0, atol=0)
 
 
+def test_a_drafter_saved_without_a_tokenizer_decodes_with_the_llms(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A bundle keeps the LLM's tokenizer once and none beside its drafters: ``--ssm BUNDLE/ssms/NAME``
+    loads such a drafter with the LLM's tokenizer (its embedding rows still checked against the LLM's)."""
+    bare = tmp_path / "drafter"
+    LlamaForCausalLM.from_pretrained(tiny_llama_dir).save_pretrained(bare)
+    assert not models.has_tokenizer(bare) and models.has_tokenizer(tiny_llama_dir) and models.has_tokenizer("default")
+    llm, (ssm,) = models.load_llm_and_ssms(str(tiny_llama_dir), [str(bare)])
+    assert ssm.tokenizer is llm.tokenizer
+    small = tmp_path / "small"
+    LlamaForCausalLM(LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(small)
+    with pytest.raises(ValueError, match="8 embedding rows"):
+        models.load_llm_and_ssms(str(tiny_llama_dir), [str(small)])
+
+
 def test_load_model_dtype_by_name(tiny_llama_dir: Path) -> None:
     loaded = load_model(str(tiny_llama_dir), dtype="bf16")
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}

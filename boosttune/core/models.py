@@ -296,7 +296,10 @@ def resolve_model_path(ref: str) -> str:
     return os.path.dirname(config_file)
 
 
-def load_model(ref: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
+def load_model(
+    ref: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> LoadedModel:
     """Load a causal LM and its tokenizer for inference.
 
     Args:
@@ -304,6 +307,7 @@ def load_model(ref: str, dtype: torch.dtype | str = torch.float32, device: str |
         dtype: parameter dtype, a ``torch.dtype`` or a name accepted by :func:`parse_dtype` (``auto``
             is resolved for ``device``).
         device: where to put the parameters (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...).
+        tokenizer: the tokenizer to use instead of loading one from ``ref`` (a drafter saved without one).
     """
     torch_dtype = parse_dtype(dtype, device) if isinstance(dtype, str) else dtype
     if not isinstance(torch_dtype, torch.dtype):
@@ -312,7 +316,8 @@ def load_model(ref: str, dtype: torch.dtype | str = torch.float32, device: str |
     # Hub ids load by id so that transformers fetches any missing weight files when online;
     # everything else loads from the resolved directory.
     source = path if _is_builtin(ref) or os.path.isdir(os.path.expanduser(ref)) else ref
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, device_map=str(device))
     if is_feature_dir(path):
         attach_fc(model, path)
@@ -378,7 +383,8 @@ def load_ssms(llm: LoadedModel, refs: Sequence[str | Path], dtype: torch.dtype |
     checked against the LLM's before any decoding, its kind as its directory declares it
     (``core/kind_file.py``), and its low-rank factors over SSM 1 where it has them (``core/low_rank.py``;
     the model's ``low_rank_delta``, which stacked drafting reads)."""
-    ssms = [load_model(str(ref), dtype=dtype, device=llm.model.device) for ref in refs]
+    ssms = [load_model(str(ref), dtype=dtype, device=llm.model.device,
+                       tokenizer=None if has_tokenizer(ref) else llm.tokenizer) for ref in refs]
     for ref, ssm in zip(refs, ssms, strict=True):
         check_same_vocabulary(
             llm.tokenizer, ssm.tokenizer, model_vocab_size(llm.model), model_vocab_size(ssm.model), str(ref)
@@ -388,6 +394,18 @@ def load_ssms(llm: LoadedModel, refs: Sequence[str | Path], dtype: torch.dtype |
         if factors is not None:
             ssm.model.low_rank_delta = factors
     return ssms
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Files of which a model directory with its own tokenizer has at least one."""
+
+
+def has_tokenizer(ref: str | Path) -> bool:
+    """Whether ``ref`` brings a tokenizer of its own: a hub id or a built-in name is taken to; a local
+    directory does when it holds one of ``TOKENIZER_FILES``. A bundle's drafters have none (the
+    bundle keeps the LLM's once): they decode with the LLM's."""
+    path = Path(os.path.expanduser(str(ref)))
+    return not path.is_dir() or any((path / f).is_file() for f in TOKENIZER_FILES)
 
 
 def load_llm_and_ssms(
