@@ -297,6 +297,7 @@ class StackedSSMs:
         self._head_k = 0  # draft vocabulary the head is cut to (0: whole)
         self._head: _StackedLinear = self._full_head
         self._head_ids: Tensor | None = None
+        self._ids_max = 0  # the largest id of ``_head_ids``
         self.device, self.dtype = dev, dtype
         self._len = 0
         self._keys: list[Tensor] = []  # per layer (M, G, capacity, C)
@@ -326,10 +327,11 @@ class StackedSSMs:
         self._keys, self._values = keys, values
 
     @torch.inference_mode()
-    def forward(self, ids: Tensor, positions: Tensor, prefix_len: int, mask: Tensor) -> Tensor:
+    def forward(self, ids: Tensor, positions: Tensor, prefix_len: int, mask: Tensor, scatter: bool = True) -> Tensor:
         """Feed (M, R) tokens, one row set per member, at (R,) positions shared by all members, after
         the shared cache; ``mask``: (M, R, S - P) with S the cache length after the feed. Returns the
-        (M, R, V) fp32 logits (-inf outside a draft vocabulary), as each member's runner would."""
+        (M, R, V) fp32 logits (-inf outside a draft vocabulary), as each member's runner would; without
+        ``scatter``, a draft vocabulary's (M, R, K) logits alone."""
         m, r = ids.shape
         s0, s = self._len, self._len + r
         assert m == self.size and positions.shape == (r,), "ids must be (M, R) and positions (R,)"
@@ -358,7 +360,7 @@ class StackedSSMs:
         self._len = s
         last = _rms_norm(x, self._norm, self._eps)  # (M, R, H)
         logits = self._head(last).float()  # (M, R, V) or (M, R, K)
-        if self._head_ids is None:
+        if self._head_ids is None or not scatter:
             return logits
         full = logits.new_full((m, r, self._vocab), float("-inf"))
         full[:, :, self._head_ids] = logits
@@ -381,6 +383,7 @@ class StackedSSMs:
             else:
                 heads = [m.get_output_embeddings().weight.detach()[ids].contiguous() for m in self.models]  # (K, H)
             self._head, self._head_ids = _StackedLinear(heads, self.products), ids
+            self._ids_max = int(ids.max())
             self._vocab = self.models[0].get_output_embeddings().weight.shape[0]
         self._head_k = k
 
@@ -427,16 +430,25 @@ class StackedSSMs:
         t, n = committed.shape[0], self.size
         self._committed_len = t
         self._sync_head(tree.draft_vocab)
+        # greedy trees rank a draft vocabulary's K logits alone, as SSMDrafter.draft does
+        ids = self._head_ids
+        v = self.solo[0].vocab_size
+        ids_k = ids if sampling.greedy and ids is not None and (v is None or self._ids_max < v) else None
+
+        def probs(j: int, logits: Tensor) -> Tensor:
+            """Member ``j``'s (F, V) q from its logits, or (F, K) over the draft vocabulary ``ids_k``."""
+            return draft_probs(self.solo[j]._fit(logits) if ids_k is None else logits, sampling)
+
         # catch up: crop to what every member has, feed the rest to all (one chain forward)
         start = min(min(self._synced), t - 1, self._len)
         self._len = start
         chain = committed[start:].to(self.device)  # (R,)
         r = chain.shape[0]
         mask = torch.ones(r, r, dtype=torch.bool).tril().expand(n, r, r)
-        logits = self.forward(chain.expand(n, r), torch.arange(start, t), start, mask)[:, -1]  # (M, V)
+        logits = self.forward(chain.expand(n, r), torch.arange(start, t), start, mask,
+                              scatter=ids_k is None)[:, -1]  # (M, V) or (M, K)
         self._synced = [t] * n
-        growths = [_Growth(tree, sampling, draft_probs(self.solo[j]._fit(logits[j : j + 1]), sampling))
-                   for j in range(n)]
+        growths = [_Growth(tree, sampling, probs(j, logits[j : j + 1]), ids_k) for j in range(n)]
         fed = 0  # padded slots fed after the committed tokens
         for d in range(tree.max_depth):
             feeds = [g.expand(d, generator) for g in growths]  # per member: (F,) new nodes to feed, or None
@@ -451,10 +463,10 @@ class StackedSSMs:
                     ids[j, : f.numel()] = g.tokens_of(f)
                     mask[j, : f.numel()] = g.feed_mask(f, fed, width)
             positions = torch.full((width,), t + d, dtype=torch.long)  # depth d + 1 sits at t - 1 + d + 1
-            logits = self.forward(ids, positions, t, mask)  # (M, width, V)
+            logits = self.forward(ids, positions, t, mask, scatter=ids_k is None)  # (M, width, V or K)
             for j, (g, f) in enumerate(zip(growths, feeds, strict=True)):
                 if f is not None:
-                    g.fed(f, fed, draft_probs(self.solo[j]._fit(logits[j, : f.numel()]), sampling))
+                    g.fed(f, fed, probs(j, logits[j, : f.numel()]))
             fed += width
         trees, self._slots = [], []
         for g in growths:
@@ -485,8 +497,10 @@ class _Growth:
     forwards left to the caller: ``expand`` chooses a depth's children and names the nodes to feed,
     ``fed`` takes their q, ``finish`` cuts and returns the tree."""
 
-    def __init__(self, cfg: TreeConfig, sampling: SamplingParams, q_root: Tensor):
+    def __init__(self, cfg: TreeConfig, sampling: SamplingParams, q_root: Tensor, vocab_ids: Tensor | None = None):
+        """``vocab_ids``: (K,) the token of each column of q where q covers a draft vocabulary alone."""
         self.cfg, self.policy, self.greedy = cfg, cfg.policy, sampling.greedy
+        self.vocab_ids = vocab_ids
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.q_prob: list[float] = []
@@ -496,7 +510,7 @@ class _Growth:
         self.dists: list[Tensor] = []
         self.slot: dict[int, int] = {}  # node → its padded slot after the committed tokens
         self.frontier = torch.tensor([-1])  # node indices being expanded (-1 = root)
-        self.q_frontier = q_root  # (F, V)
+        self.q_frontier = q_root  # (F, V), or (F, K) over ``vocab_ids``
         self.cum_frontier = torch.zeros(1)
         self.done = False
         self._new_cum: Tensor | None = None
@@ -513,6 +527,8 @@ class _Growth:
         q_frontier = self.q_frontier
         child_tok, valid = choose_children(q_frontier, policy.width(cfg, d), self.greedy, generator)  # (F, W)
         child_q = q_frontier.gather(1, child_tok)  # (F, W)
+        if self.vocab_ids is not None:
+            child_tok = self.vocab_ids[child_tok]  # draft vocabulary columns → token ids
         child_tok, valid, child_q = child_tok.cpu(), valid.cpu(), child_q.cpu()
         if not self.greedy:
             rows = torch.arange(len(self.dists), len(self.dists) + q_frontier.shape[0])
