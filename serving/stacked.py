@@ -67,7 +67,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from boosttune.core.low_rank import Factors, rebuilds
 from boosttune.serving import cpu_linear
 from boosttune.serving.builders import choose_children, subtree
-from boosttune.serving.drafter import Features, Replay, SSMDrafter, draft_probs
+from boosttune.serving.drafter import Features, Replay, SSMDrafter, draft_probs, greedy_vocab
 from boosttune.serving.lean import drafter_runner, lean_reason
 from boosttune.serving.runner import restricted_head_error
 from boosttune.serving.sampling import SamplingParams
@@ -297,7 +297,7 @@ class StackedSSMs:
         self._head_k = 0  # draft vocabulary the head is cut to (0: whole)
         self._head: _StackedLinear = self._full_head
         self._head_ids: Tensor | None = None
-        self._ids_max = 0  # the largest id of ``_head_ids``
+        self._greedy_ids: Tensor | None = None  # ``greedy_vocab`` of the cut head
         self.device, self.dtype = dev, dtype
         self._len = 0
         self._keys: list[Tensor] = []  # per layer (M, G, capacity, C)
@@ -383,8 +383,8 @@ class StackedSSMs:
             else:
                 heads = [m.get_output_embeddings().weight.detach()[ids].contiguous() for m in self.models]  # (K, H)
             self._head, self._head_ids = _StackedLinear(heads, self.products), ids
-            self._ids_max = int(ids.max())
             self._vocab = self.models[0].get_output_embeddings().weight.shape[0]
+        self._greedy_ids = greedy_vocab(self._head_ids, self.solo[0].vocab_size)
         self._head_k = k
 
     # drafting ----------------------------------------------------------------------------------
@@ -430,10 +430,7 @@ class StackedSSMs:
         t, n = committed.shape[0], self.size
         self._committed_len = t
         self._sync_head(tree.draft_vocab)
-        # greedy trees rank a draft vocabulary's K logits alone, as SSMDrafter.draft does
-        ids = self._head_ids
-        v = self.solo[0].vocab_size
-        ids_k = ids if sampling.greedy and ids is not None and (v is None or self._ids_max < v) else None
+        ids_k = self._greedy_ids if sampling.greedy else None  # greedy trees rank the draft vocabulary alone
 
         def probs(j: int, logits: Tensor) -> Tensor:
             """Member ``j``'s (F, V) q from its logits, or (F, K) over the draft vocabulary ``ids_k``."""

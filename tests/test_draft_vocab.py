@@ -113,7 +113,7 @@ def test_greedy_drafts_rank_the_draft_vocabulary_alone():
     fast, whole = (SSMDrafter(drafter_runner(model), 64, ranking) for _ in range(2))
     for d in (fast, whole):
         d.prepare(tree)
-    whole._head_in_vocab = False  # the reference: softmax and top-k over the whole row
+    whole._greedy_ids = None  # the reference: softmax and top-k over the whole row
     committed = torch.tensor([3, 4, 5, 6, 7])
     a, b = (d.draft(committed, tree, SamplingParams(), None) for d in (fast, whole))
     assert a.size == b.size == 3 + 3 * 2
