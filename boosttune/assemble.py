@@ -35,6 +35,7 @@ from boosttune.serving.engine import GenerationResult, Plan, Planner, Speculativ
 from boosttune.serving.kinds import PromptLookupKind, SSMKind, kind
 from boosttune.serving.lean import llm_runner
 from boosttune.serving.lookup import LOOKUP_NAME, lookup_tree
+from boosttune.serving.phrases import PhraseTable
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stacked import stack_reason, stacked_drafters
 from boosttune.serving.stops import StopCriteria
@@ -77,6 +78,11 @@ class Served:
         """The longest chain the prompt-lookup drafter is asked for (0: no prompt lookup)."""
         tree = self.engine.plan.trees.get(LOOKUP_NAME)
         return tree.max_depth if tree is not None else 0
+
+    @property
+    def phrases(self) -> bool:
+        """Whether prompt lookup drafts with the LLM's phrase table too (``serving/phrases.py``)."""
+        return getattr(self.engine.drafters.get(LOOKUP_NAME), "phrases", None) is not None
 
 
 def quantize_llm(engine: SpeculativeEngine, scheme: str) -> int:
@@ -214,6 +220,7 @@ def engine_from_models(
     llm: PreTrainedModel, ssms: Mapping[str, PreTrainedModel] | Sequence[PreTrainedModel],
     tree: TreeConfig | Mapping[str, TreeConfig], ranking: Tensor | None = None, lookup: int = 0,
     kinds: Mapping[str, str] | None = None, stack_ssms: bool = False, lookup_depths: tuple[int, ...] = (),
+    phrases: PhraseTable | None = None,
 ) -> SpeculativeEngine:
     """An engine over ``llm`` with a drafter per model, each built by its kind (``serving/kinds.py``).
 
@@ -227,6 +234,7 @@ def engine_from_models(
             others, proposing up to that many tokens by default.
         kinds: each model's kind by name (absent: "ssm").
         lookup_depths: prompt lookup's chain length per matched n-gram length (``TreeConfig.ngram_depths``).
+        phrases: the LLM's phrase table, a second branch of prompt lookup's greedy trees (``lookup.py``).
         stack_ssms: SSMs of one shape draft together in one batched forward per depth
             (``serving/stacked.py``), each still a drafter of its own name; SSMs that cannot stack
             with any other draft separately. Off by default.
@@ -248,7 +256,7 @@ def engine_from_models(
     for name in named:  # refused here, not at the first draft of a request
         kind(kinds.get(name, SSMKind.name)).check_tree(trees[name])
     if lookup:
-        drafters[LOOKUP_NAME] = kind(PromptLookupKind.name).drafter(None, v, None)
+        drafters[LOOKUP_NAME] = kind(PromptLookupKind.name).drafter(phrases, v, None)
         trees[LOOKUP_NAME] = lookup_tree(lookup, lookup_depths)
     return SpeculativeEngine(llm_runner(llm), drafters, Plan(trees))
 
@@ -312,7 +320,7 @@ def load_scheduler(bundle: LoadedBundle) -> Scheduler | None:
 
 def from_bundle(
     bundle: LoadedBundle, *, use_scheduler: bool = True, tree: TreeConfig | None = None, lookup: int | None = None,
-    ranking: Tensor | None = None, stack_ssms: str = "auto",
+    ranking: Tensor | None = None, stack_ssms: str = "auto", phrases: bool = True,
 ) -> Served:
     """What a bundle serves: each drafter (built by its kind) on its own tree, its draft vocabulary
     ranking, and its learned scheduler (unless ``use_scheduler`` is False) with the drafters it was
@@ -325,6 +333,7 @@ def from_bundle(
         lookup: the prompt-lookup chain length instead of the bundle's (only where no scheduler decides).
         ranking: the draft vocabulary ranking instead of the bundle's.
         stack_ssms: whether its SSMs draft stacked (``stacks``).
+        phrases: prompt lookup drafts with the bundle's phrase table too, if it has one.
     """
     scheduler = load_scheduler(bundle) if use_scheduler else None
     if scheduler is not None and (tree is not None or lookup is not None):
@@ -345,6 +354,7 @@ def from_bundle(
     named = {d.name: bundle.models[d.name] for d in entries}
     engine = engine_from_models(bundle.llm.model, {n: s.model for n, s in named.items()}, trees, ranking, lookup,
                                 kinds={d.name: d.kind for d in entries}, lookup_depths=depths,
+                                phrases=bundle.phrases if phrases else None,
                                 stack_ssms=stacks(stack_ssms, [s.model for s in named.values() if s is not None]))
     return Served(engine, bundle.llm, named, ranking, scheduler)
 
@@ -353,6 +363,7 @@ def load(
     *, bundle: str | Path | None = None, llm: str | None = None, ssms: Sequence[str] = (), dtype: str = "fp32",
     ssm_dtype: str | None = None, tree: TreeConfig | None = None, draft_ranking: str | None = None,
     lookup: int | None = None, use_scheduler: bool = True, device: str | torch.device = "cpu", stack_ssms: str = "auto",
+    phrases: bool = True,
 ) -> Served:
     """Load and assemble what a command decodes with (`boosttune generate` and `bench`).
 
@@ -370,6 +381,7 @@ def load(
         use_scheduler: plan requests with the bundle's learned scheduler, if it has one.
         device: where the models run (``core/device.py``), checked before anything loads.
         stack_ssms: "auto", "on" or "off": whether the SSMs draft stacked (``stacks``).
+        phrases: with a bundle, prompt lookup drafts with its phrase table too, if it has one.
     """
     device = resolve_device(device)
     if lookup is not None and lookup < 0:
@@ -385,4 +397,4 @@ def load(
         needs = [tree.draft_vocab] if tree is not None else [d.tree.draft_vocab for d in loaded.manifest.models]
         ranking = ranking_for(max(needs), draft_ranking, [])
     return from_bundle(loaded, use_scheduler=use_scheduler, tree=tree, lookup=lookup, ranking=ranking,
-                       stack_ssms=stack_ssms)
+                       stack_ssms=stack_ssms, phrases=phrases)

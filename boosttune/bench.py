@@ -92,6 +92,7 @@ class BenchConfig:
             read from ``recost_cache``); the commands set it
             with --quantize unless told otherwise (``flags.wants_recost``).
         stack_ssms: "auto", "on" or "off": whether the SSMs draft stacked (``assemble.stacks``).
+        phrases: with ``bundle``, prompt lookup drafts with its phrase table too (``serving/phrases.py``).
     """
 
     questions: str
@@ -100,6 +101,7 @@ class BenchConfig:
     ssms: list[str] = field(default_factory=list)
     bundle: str | None = None
     use_scheduler: bool = True
+    phrases: bool = True
     limit: int = 0
     max_new_tokens: int = 128
     dtype: str = "fp32"
@@ -300,7 +302,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     served = assemble.load(
         bundle=cfg.bundle, llm=cfg.llm, ssms=cfg.ssms, dtype=cfg.dtype, ssm_dtype=cfg.ssm_dtype, tree=cfg.tree,
         draft_ranking=cfg.draft_ranking, lookup=cfg.prompt_lookup, use_scheduler=cfg.use_scheduler, device=cfg.device,
-        stack_ssms=cfg.stack_ssms,
+        stack_ssms=cfg.stack_ssms, phrases=cfg.phrases,
     )
     if cfg.quantize:
         assemble.quantize_served(served.engine, cfg.quantize)
@@ -412,6 +414,7 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, serv
         "hf_lookup_tokens_per_s": tps("hf_lookup"),
         "hf_lookup_identical": same("hf_lookup"),
         "prompt_lookup": served.lookup,
+        "phrases": served.phrases,
         "dtype": cfg.dtype,
         "device": str(served.llm.model.device),
         "ssm_dtype": cfg.ssm_dtype or cfg.dtype,

@@ -9,6 +9,7 @@ A bundle is written by ``boosttune export`` (``boosttune/export/bundle.py``) fro
                                     acceptance_profile.json, and its kind's own files (serving/kinds.py)
       scheduler/                    the run's learned scheduler, copied file for file (optional)
       draft_vocab.json              the draft vocabulary ranking (serving/draft_vocab.py; optional)
+      phrases.safetensors           the LLM's phrase table, for prompt lookup (serving/phrases.py; optional)
 
 ``manifest.json`` (its schema and its one owner: ``manifest.py``) lists every other file with its size
 and sha256. The LLM is not copied: it is named (``ref``: "default", "tiny-random", a hub
@@ -97,6 +98,8 @@ def verify_files(root: Path, manifest: Manifest) -> None:
     referenced += [(f, "scheduler") for f in manifest.scheduler_files]
     if manifest.draft_vocab is not None:
         referenced.append((manifest.draft_vocab, "draft vocabulary ranking"))
+    if manifest.phrases is not None:
+        referenced.append((manifest.phrases, "phrase table"))
     for rel, what in referenced:
         if rel == manifest.tokenizer:
             if not any(f.startswith(rel + "/") for f in listed):
@@ -287,6 +290,7 @@ class LoadedBundle:
             the manifest's order; they share the LLM's tokenizer.
         scheduler_dir: the bundle's scheduler directory (files verified, not read) or None.
         ranking: the draft vocabulary ranking (V,) or None when the bundle has none.
+        phrases: the LLM's phrase table (``phrases.py``) or None when the bundle has none.
         acceptance_profiles: each drafter's acceptance profile by name (None where training wrote none).
     """
 
@@ -297,6 +301,7 @@ class LoadedBundle:
     scheduler_dir: Path | None
     acceptance_profiles: dict[str, dict | None] = field(default_factory=dict)
     ranking: torch.Tensor | None = None
+    phrases: Any = None
 
     @property
     def model_names(self) -> list[str]:
@@ -371,10 +376,18 @@ def load_bundle(
             ranking = load_ranking(root / manifest.draft_vocab)
         except ValueError as e:
             raise BundleError(f"bundle file {manifest.draft_vocab}: {e}; re-export the bundle") from None
+    phrases = None
+    if manifest.phrases is not None:
+        from boosttune.serving.phrases import load_phrases
+
+        try:
+            phrases = load_phrases(root / manifest.phrases, model_vocab_size(llm_model))
+        except ValueError as e:
+            raise BundleError(f"bundle file {manifest.phrases}: {e}; re-export the bundle") from None
     return LoadedBundle(
         root=root, manifest=manifest, llm=loaded_llm, models=models,
         scheduler_dir=root / manifest.scheduler_dir if manifest.scheduler_dir else None,
-        acceptance_profiles=profiles, ranking=ranking,
+        acceptance_profiles=profiles, ranking=ranking, phrases=phrases,
     )
 
 

@@ -304,7 +304,9 @@ class FeatureKind(DrafterKind):
 
 @register
 class PromptLookupKind(DrafterKind):
-    """Prompt lookup (``lookup.py``): no model and no files; its tree's depth is its chain length."""
+    """Prompt lookup (``lookup.py``): no model and no files; its tree's depth is its chain length. Its
+    ``drafter``'s model is the LLM's phrase table (``phrases.py``) or None: a bundle carries the
+    table beside the drafters, not in a drafter's directory."""
 
     name = "prompt_lookup"
     has_model = False
@@ -316,7 +318,7 @@ class PromptLookupKind(DrafterKind):
         return None
 
     def drafter(self, model, vocab_size, ranking):
-        return PromptLookupDrafter(vocab_size=vocab_size)
+        return PromptLookupDrafter(vocab_size=vocab_size, phrases=model)
 
 
 @register

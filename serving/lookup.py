@@ -18,6 +18,12 @@ any q: a node is accepted with probability p(x), and on rejection the residual i
 
 Its full-information labels (``replay``, ``lookup_positions``) are exact: at every output position
 the drafter would see exactly the prompt and the output before it.
+
+Given the LLM's phrase table (``phrases.py``), greedy trees hold a second branch: up to
+``phrases.CHAIN`` tokens the LLM most often writes after the newest two, sharing whatever prefix
+they have with the copied chain. Sampling drafts the copied chain alone (its q is one-hot, and a
+second deterministic sibling would need the verifier's residual over the first), and the replay
+labels the copied chain alone: the scheduler's labels count without the table.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 from torch import Tensor
 
 from boosttune.serving.drafter import Features, Replay
+from boosttune.serving.phrases import CHAIN, PhraseTable
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.tree import TokenTree, TreeConfig
 
@@ -83,6 +90,20 @@ def chain_length(ngram: int, depth: int, ngram_depths: tuple[int, ...] = ()) -> 
     return depth
 
 
+def with_branch(chain: np.ndarray, branch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The tree of ``chain`` (a path from the root) plus ``branch``, another path from the root, sharing
+    their common prefix: ``(tokens, parents)``, the chain's nodes first, in topological order."""
+    n, m = chain.shape[0], branch.shape[0]
+    same = 0
+    while same < min(n, m) and chain[same] == branch[same]:
+        same += 1
+    extra = branch[same:]
+    first_parent = same - 1  # the shared prefix's last node (-1: the root)
+    parents = np.concatenate([np.arange(-1, n - 1), [first_parent] if extra.size else [],
+                              np.arange(n, n + extra.shape[0] - 1)]).astype(np.int64)
+    return np.concatenate([chain, extra]).astype(np.int64), parents
+
+
 def lookup_positions(
     prompt: Sequence[int], out: Sequence[int], depth: int, max_ngram: int = 3, min_ngram: int = 1
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -110,13 +131,22 @@ class PromptLookupDrafter:
     as long as the tree's depth, or as ``TreeConfig.ngram_depths`` sets for the match's n-gram length
     (a learned scheduler drafts long chains after long matches, short ones after a single token)."""
 
-    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
-        """``vocab_size``: the LLM's logit width V (the one-hot draft distributions' width)."""
+    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, phrases: PhraseTable | None = None,
+                 phrase_length: int = CHAIN):
+        """``vocab_size``: the LLM's logit width V (the one-hot draft distributions' width);
+        ``phrases``: the LLM's phrase table, drafting a second branch of ``phrase_length`` tokens in
+        greedy trees (None: the copied chain alone)."""
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        if phrases is not None and phrases.vocab_size != vocab_size:
+            raise ValueError(f"the phrase table covers {phrases.vocab_size} tokens, the LLM {vocab_size}")
+        if phrase_length < 0:
+            raise ValueError(f"phrase_length must be >= 0, got {phrase_length}")
         self.vocab_size = vocab_size
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.phrases = phrases
+        self.phrase_length = phrase_length
 
     def reset(self) -> None:
         pass
@@ -138,7 +168,10 @@ class PromptLookupDrafter:
     ) -> TokenTree:
         ctx = committed.detach().cpu().numpy()
         ngram, chain = find_match(ctx, tree.max_depth, self.max_ngram, self.min_ngram)
-        chain = chain[: chain_length(ngram, tree.max_depth, tree.ngram_depths)]
+        chain = chain[: chain_length(ngram, tree.max_depth, tree.ngram_depths)].astype(np.int64)
+        parents = np.arange(-1, chain.shape[0] - 1, dtype=np.int64)
+        if sampling.greedy and self.phrases is not None and self.phrase_length:
+            chain, parents = with_branch(chain, self.phrases.chain(ctx, self.phrase_length))
         n = int(chain.shape[0])
         long = dict(dtype=torch.long)
         q_dists, dist_row = None, torch.full((n,), -1, **long)  # greedy verification reads no q
@@ -146,10 +179,13 @@ class PromptLookupDrafter:
             q_dists = torch.zeros(n, self.vocab_size, dtype=torch.float32)
             q_dists[torch.arange(n), torch.from_numpy(chain).long()] = 1.0
             dist_row = torch.arange(n, **long)
+        depth = np.zeros(n, dtype=np.int64)
+        for i in range(n):  # parents precede their children
+            depth[i] = 1 + (depth[parents[i]] if parents[i] >= 0 else 0)
         return TokenTree(
-            tokens=torch.from_numpy(chain.astype(np.int64)),
-            parents=torch.arange(-1, n - 1, **long),
-            depth=torch.arange(1, n + 1, **long),
+            tokens=torch.from_numpy(chain),
+            parents=torch.from_numpy(parents),
+            depth=torch.from_numpy(depth),
             proposer=torch.zeros(n, **long),
             q_prob=torch.ones(n, dtype=torch.float32),
             dist_row=dist_row,

@@ -12,6 +12,7 @@
                    "tree": {TreeConfig fields}, "report": {the run's entry for it}}],
      "scheduler": {"dir": "scheduler", "files": [path]} | null,
      "draft_vocab": "draft_vocab.json" | null,
+     "phrases": "phrases.safetensors" | null,
      "files": {path: {"sha256": str, "size": int}}}
 
 Each drafter names its kind (``serving/kinds.py``, the registry that builds it) and carries its own
@@ -167,6 +168,7 @@ class Manifest:
         scheduler_files: its files.
         files: every file of the bundle but the manifest, by path.
         draft_vocab: the draft vocabulary ranking's path (None: none).
+        phrases: the LLM's phrase table's path (``phrases.py``; None: prompt lookup drafts without it).
     """
 
     format: int
@@ -180,6 +182,7 @@ class Manifest:
     scheduler_files: list[str]
     files: dict[str, FileEntry]
     draft_vocab: str | None = None
+    phrases: str | None = None
 
     @property
     def models(self) -> list[DrafterEntry]:
@@ -204,7 +207,7 @@ class Manifest:
             "format": self.format, "kind": BUNDLE_KIND, "created": self.created, "source_run": self.source_run,
             "versions": dict(self.versions), "llm": asdict(self.llm), "tokenizer": self.tokenizer,
             "drafters": [d.to_json() for d in self.drafters], "scheduler": scheduler,
-            "draft_vocab": self.draft_vocab,
+            "draft_vocab": self.draft_vocab, "phrases": self.phrases,
             "files": {path: asdict(entry) for path, entry in self.files.items()},
         }
 
@@ -334,12 +337,15 @@ def parse_manifest(data: Any) -> Manifest:
         if d.tree.draft_vocab and draft_vocab is None:
             raise BundleError(f"{_where(f'drafters[{i}].tree.draft_vocab')} is {d.tree.draft_vocab} but the bundle has "
                               "no draft_vocab ranking; re-export it")
+    phrases = _field(data, "phrases", str, "", optional=True)
+    phrases = _rel_path(phrases, "phrases") if phrases is not None else None
     versions = _field(data, "versions", dict, "", optional=True) or {}
     return Manifest(
         format=fmt, created=str(data.get("created", "")), source_run=str(data.get("source_run", "")),
         versions={str(k): str(v) for k, v in versions.items()}, llm=llm,
         tokenizer=_rel_path(_field(data, "tokenizer", str, ""), "tokenizer"), drafters=drafters,
         scheduler_dir=sched_dir, scheduler_files=sched_files, files=files, draft_vocab=draft_vocab,
+        phrases=phrases,
     )
 
 

@@ -72,13 +72,14 @@ def _export_bundle(args: argparse.Namespace) -> int:
     from boosttune.core.rundir import RunDir
     from boosttune.export.bundle import export_bundle
     from boosttune.serving import kinds
-    from boosttune.train.draft_ranking import ensure_draft_ranking
+    from boosttune.train.draft_ranking import ensure_draft_ranking, ensure_phrases
 
     if args.draft_vocab is not None and args.draft_vocab < 0:
         raise ValueError(f"--draft-vocab must be >= 0 (0 = the whole vocabulary), got {args.draft_vocab}")
     run = RunDir(args.run_dir)
     if run.prompts_info() is not None:  # runs from before the ranking existed: count it from their teacher outputs
         ensure_draft_ranking(run)
+        ensure_phrases(run)
     drafters = [n.strip() for n in args.drafters.split(",") if n.strip()] if args.drafters else None
     res = export_bundle(run, args.out, force=args.force, draft_vocab=args.draft_vocab, drafters=drafters,
                         prompt_lookup=args.prompt_lookup)
@@ -89,7 +90,8 @@ def _export_bundle(args: argparse.Namespace) -> int:
     drafters = ", ".join(f"{d.name} ({d.kind}, draft vocabulary {vocab(d)})" for d in m.models)
     print(
         f"bundle {res.bundle}: LLM {m.llm.ref} (sha256 {m.llm.sha256[:12]}), drafters {drafters}, "
-        f"scheduler {m.scheduler_dir or 'none'}, prompt lookup {m.prompt_lookup or 'off'}, "
+        f"scheduler {m.scheduler_dir or 'none'}, prompt lookup {m.prompt_lookup or 'off'}"
+        f"{', the phrase table' if m.phrases else ''}, "
         f"{len(m.files)} files, {res.total_bytes / 1e6:.1f} MB"
     )
     if res.choice is not None:

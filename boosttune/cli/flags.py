@@ -207,7 +207,7 @@ def add_stack_ssms_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_bundle_args(p: argparse.ArgumentParser, positional: bool) -> None:
-    """The bundle to decode with (as `boosttune serve` would serve it) and --no-scheduler."""
+    """The bundle to decode with (as `boosttune serve` would serve it), --no-scheduler and --no-phrases."""
     text = "a bundle from `boosttune export`, assembled as `boosttune serve` serves it; omit it to name --llm/--ssm"
     if positional:
         p.add_argument("bundle", nargs="?", default=None, help=text)
@@ -216,6 +216,9 @@ def add_bundle_args(p: argparse.ArgumentParser, positional: bool) -> None:
     p.add_argument("--no-scheduler", action="store_true",
                    help="ignore the bundle's learned scheduler: every request drafts with all its SSMs (and prompt "
                         "lookup if it was exported with --prompt-lookup); needed to set tree or lookup flags")
+    p.add_argument("--no-phrases", action="store_true",
+                   help="prompt lookup drafts without the bundle's phrase table (the LLM's most frequent next token "
+                        "after two, a second branch of greedy trees: serving/phrases.py)")
 
 
 def ssm_refs(args: argparse.Namespace) -> list[str]:
@@ -249,6 +252,7 @@ def assemble_from_args(args: argparse.Namespace) -> Served:
         bundle=args.bundle, llm=args.llm, ssms=ssm_refs(args), dtype=args.dtype, ssm_dtype=args.ssm_dtype,
         tree=tree_override(args), draft_ranking=args.draft_ranking, lookup=args.prompt_lookup,
         use_scheduler=not args.no_scheduler, device=args.device, stack_ssms=args.stack_ssms,
+        phrases=not args.no_phrases,
     )
     if args.quantize:
         assemble.quantize_served(served.engine, args.quantize)

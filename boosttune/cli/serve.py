@@ -105,6 +105,8 @@ def add_commands(sub) -> dict:
     s.add_argument("--no-scheduler", action="store_true",
                    help="ignore the bundle's learned scheduler: every request drafts with all SSMs "
                         "(and prompt lookup if the bundle was exported with --prompt-lookup)")
+    s.add_argument("--no-phrases", action="store_true",
+                   help="prompt lookup drafts without the bundle's phrase table (serving/phrases.py)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return {"serve": cmd_serve}
 
@@ -132,6 +134,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(model_name=args.model_name, max_queue=args.max_queue,
                           max_request_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens,
                           torch_threads=engine_threads, use_scheduler=not args.no_scheduler, timeouts=timeouts,
+                          phrases=not args.no_phrases,
                           max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens, compile=args.compile,
                           quantize=args.quantize, recost=wants_recost(args), stack_ssms=args.stack_ssms,
                           **({} if args.draft_max_batch is None else {"draft_max_batch": args.draft_max_batch}))

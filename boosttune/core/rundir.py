@@ -59,6 +59,8 @@ from boosttune.core.files import MARKER, is_complete
 REPORT_FORMAT = 1
 DRAFT_VOCAB = "draft_vocab.json"
 """The draft vocabulary ranking's file name, in a run directory and next to SSMs and in bundles."""
+PHRASES = "phrases.safetensors"
+"""The LLM's phrase table's file name (``serving/phrases.py``), in a run directory and in bundles."""
 FEATURE_NAME = "feature"
 """The feature head's name: its directory under ``ssms/`` and its drafter name in evaluations and bundles."""
 SCHEDULER_FILE = "scheduler.json"
@@ -114,6 +116,10 @@ class RunDir:
     @property
     def draft_vocab_path(self) -> Path:
         return self.root / DRAFT_VOCAB
+
+    @property
+    def phrases_path(self) -> Path:
+        return self.root / PHRASES
 
     def relative(self, path: Path) -> str:
         """``path`` relative to the run, as report.json records it (POSIX separators)."""

@@ -3,8 +3,8 @@
 The bundle's layout and what loading checks are documented in ``serving/bundle.py``; its manifest is
 a ``serving/manifest.py`` ``Manifest``, written by ``Manifest.write`` (the same class parses it back).
 Export copies the SSMs' safetensors weights, configs and statistics, writes the LLM's tokenizer once,
-copies the run's scheduler directory file for file and its draft vocabulary ranking (when it has
-one), writes the run's tree (the training config's ``tree:`` section) as the bundle's default, pins
+copies the run's scheduler directory file for file, its draft vocabulary ranking and its phrase
+table (when it has them), writes the run's tree (the training config's ``tree:`` section) as the bundle's default, pins
 the LLM by a content hash and lists a sha256 for every file. Every SSM is checked
 (``common.checked_ssm_dir``) before anything is written; ``ssm_entry`` is what the manifest records
 of each. It writes into a temporary sibling directory and renames it into place at the end, so an
@@ -314,6 +314,9 @@ def export_bundle(
                                          tree=lookup_tree(int(prompt_lookup), lookup_depths)))
         if ranking is not None:
             shutil.copyfile(ranking, tmp / ranking.name)
+        phrases = run.phrases_path if run.phrases_path.is_file() else None  # for prompt lookup, planned or listed
+        if phrases is not None:
+            shutil.copyfile(phrases, tmp / phrases.name)
         scheduler_files: list[str] = []
         if ship_scheduler:
             scheduler_files = [f"{SCHEDULER_DIR}/{f}" for f in _copy_scheduler(run.scheduler_dir, tmp / SCHEDULER_DIR)]
@@ -331,6 +334,7 @@ def export_bundle(
             scheduler_files=scheduler_files,
             files=_file_table(tmp),
             draft_vocab=ranking.name if ranking is not None else None,
+            phrases=phrases.name if phrases is not None else None,
         )
         manifest.write(tmp)  # last: a bundle without it is refused
     return ExportResult(bundle=out, manifest=manifest, total_bytes=tree_bytes(out), choice=choice)

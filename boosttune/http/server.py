@@ -109,6 +109,7 @@ class ServerConfig:
             load: 0.25 s vs 1.1-16 s for 16 tokens of a tiny model).
         use_scheduler: plan every request with the bundle's learned scheduler, if it has one (False:
             every request drafts with all SSMs and the bundle's prompt-lookup default).
+        phrases: prompt lookup drafts with the bundle's phrase table too, if it has one (``serving/phrases.py``).
         timeouts: how long a client may take to send a request or to read the answer (connection.py).
         max_batch: requests decoded at once, their trees verified in one LLM forward per step
             (``serving/batch.py``); 1 serves one request at a time.
@@ -135,6 +136,7 @@ class ServerConfig:
     warmup: bool = True
     torch_threads: int | None = None
     use_scheduler: bool = True
+    phrases: bool = True
     timeouts: ConnectionTimeouts = field(default_factory=ConnectionTimeouts)
     max_batch: int = 1
     max_batch_tokens: int = 64
@@ -195,7 +197,8 @@ class _State:
             vocab_size=model_vocab_size(bundle.llm.model), default_max_tokens=config.default_max_tokens,
         )
         # what `boosttune generate` and `bench` assemble from the same bundle (boosttune/assemble.py)
-        self.served = assemble.from_bundle(bundle, use_scheduler=config.use_scheduler, stack_ssms=config.stack_ssms)
+        self.served = assemble.from_bundle(bundle, use_scheduler=config.use_scheduler, stack_ssms=config.stack_ssms,
+                                             phrases=config.phrases)
         if config.quantize:
             llm_b, drafters_b = assemble.quantize_served(self.served.engine, config.quantize)
             log.info("the products of the LLM (%.0f MB) and the drafters (%.0f MB) quantized to %s", llm_b / 1e6,

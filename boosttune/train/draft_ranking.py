@@ -1,9 +1,10 @@
-"""RUN_DIR/draft_vocab.json: the draft vocabulary ranking of a training run (built once).
+"""RUN_DIR/draft_vocab.json and RUN_DIR/phrases.safetensors: the draft vocabulary ranking and the LLM's
+phrase table of a training run (each built once).
 
-Counted over the LLM's continuations of the run's *training* prompts (the held-out ones stay
-unseen); the file format and how SSMs use it are in ``serving/draft_vocab.py``. `boosttune train`
-writes it after the teacher phase; the `train-scheduler` and `export` commands build it for older
-runs that lack it, from the same shards.
+Both are counted over the LLM's continuations of the run's *training* prompts (the held-out ones stay
+unseen); the file formats and how drafters use them are in ``serving/draft_vocab.py`` and
+``serving/phrases.py``. `boosttune train` writes them after the teacher phase; the `train-scheduler`
+and `export` commands build them for older runs that lack them, from the same shards.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from boosttune.core.rundir import RunDir
 from boosttune.serving.draft_vocab import rank_tokens, save_ranking
+from boosttune.serving.phrases import build_phrases, save_phrases
 
 
 def ensure_draft_ranking(run: RunDir, vocab_size: int | None = None, ds=None) -> Path:
@@ -25,6 +27,29 @@ def ensure_draft_ranking(run: RunDir, vocab_size: int | None = None, ds=None) ->
     if info is None:
         raise ValueError(f"{run}: no {path.name} and no teacher outputs to rank tokens by; "
                          "use the whole vocabulary (draft vocabulary 0)")
+    outputs, vocab_size = _training_outputs(run, vocab_size, ds)
+    ranking, counts = rank_tokens(outputs, vocab_size)
+    save_ranking(path, ranking, counts)
+    return path
+
+
+def ensure_phrases(run: RunDir, vocab_size: int | None = None, ds=None) -> Path | None:
+    """The run's phrase table file, built from its teacher shards if missing (None: a run without
+    teacher outputs); arguments as :func:`ensure_draft_ranking`'s."""
+    path = run.phrases_path
+    if path.is_file():
+        return path
+    if run.prompts_info() is None:
+        return None
+    outputs, vocab_size = _training_outputs(run, vocab_size, ds)
+    save_phrases(path, build_phrases(outputs, vocab_size))
+    return path
+
+
+def _training_outputs(run: RunDir, vocab_size: int | None, ds) -> tuple[list[list[int]], int]:
+    """The LLM's continuations of the run's training prompts (from ``ds``, else its shards) and the
+    LLM's vocabulary size (``vocab_size``, else its config's)."""
+    info = run.prompts_info()
     if ds is None:
         from boosttune.config import load_config
         from boosttune.train.teacher.shards import load_teacher
@@ -33,6 +58,4 @@ def ensure_draft_ranking(run: RunDir, vocab_size: int | None = None, ds=None) ->
         ds = load_teacher(run, info["count"], cfg.teacher.shard_size)
     if vocab_size is None:
         vocab_size = int(json.loads((run.llm_dir() / "config.json").read_text())["vocab_size"])
-    ranking, counts = rank_tokens(ds.select(range(info["train"]))["output_ids"], vocab_size)
-    save_ranking(path, ranking, counts)
-    return path
+    return ds.select(range(info["train"]))["output_ids"], vocab_size
