@@ -12,7 +12,8 @@ pays whenever the LLM verifies a few extra tokens for about the price of one (bf
 shared/DESIGN.md), and a scheduler can tell from the prompt when to expect copying.
 
 The draft is a chain (one node per depth) of up to ``max_depth`` tokens of the tree it is given
-(``TreeConfig.max_depth``: an expansion tree's widths only set the length here). Its draft
+(``TreeConfig.max_depth``: an expansion tree's widths only set the length here), and in greedy trees
+the phrase table's branch beside it (below). Its draft
 distribution is one-hot at the proposed token, which the stochastic verifier handles exactly like
 any q: a node is accepted with probability p(x), and on rejection the residual is p without x.
 
@@ -127,7 +128,8 @@ def lookup_positions(
 
 
 class PromptLookupDrafter:
-    """Drafts a chain copied from the committed text (``find_match``); keeps no state. The chain is
+    """Drafts a chain copied from the committed text (``find_match``), and in greedy trees the phrase
+    table's branch beside it (``with_branch``); keeps no state. The chain is
     as long as the tree's depth, or as ``TreeConfig.ngram_depths`` sets for the match's n-gram length
     (a learned scheduler drafts long chains after long matches, short ones after a single token)."""
 

@@ -4,8 +4,8 @@ The bundle's layout and what loading checks are documented in ``serving/bundle.p
 a ``serving/manifest.py`` ``Manifest``, written by ``Manifest.write`` (the same class parses it back).
 Export copies the SSMs' safetensors weights, configs and statistics, writes the LLM's tokenizer once,
 copies the run's scheduler directory file for file, its draft vocabulary ranking and its phrase
-table (when it has them), writes the run's tree (the training config's ``tree:`` section) as the bundle's default, pins
-the LLM by a content hash and lists a sha256 for every file. Every SSM is checked
+table (when it has them), writes the run's tree (the training config's ``tree:`` section) as the
+bundle's default, pins the LLM by a content hash and lists a sha256 for every file. Every SSM is checked
 (``common.checked_ssm_dir``) before anything is written; ``ssm_entry`` is what the manifest records
 of each. It writes into a temporary sibling directory and renames it into place at the end, so an
 interrupted export never leaves a half bundle at ``--out``.
