@@ -91,18 +91,20 @@ def chain_length(ngram: int, depth: int, ngram_depths: tuple[int, ...] = ()) -> 
     return depth
 
 
-def with_branch(chain: np.ndarray, branch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def with_branch(chain: np.ndarray, branch: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The tree of ``chain`` (a path from the root) plus ``branch``, another path from the root, sharing
-    their common prefix: ``(tokens, parents)``, the chain's nodes first, in topological order."""
+    their common prefix: ``(tokens, parents, depth)``, the chain's nodes first, in topological order."""
     n, m = chain.shape[0], branch.shape[0]
     same = 0
     while same < min(n, m) and chain[same] == branch[same]:
         same += 1
-    extra = branch[same:]
-    first_parent = same - 1  # the shared prefix's last node (-1: the root)
-    parents = np.concatenate([np.arange(-1, n - 1), [first_parent] if extra.size else [],
-                              np.arange(n, n + extra.shape[0] - 1)]).astype(np.int64)
-    return np.concatenate([chain, extra]).astype(np.int64), parents
+    extra = branch[same:].astype(np.int64)
+    k = extra.shape[0]
+    parents = np.concatenate([np.arange(-1, n - 1), np.arange(n - 1, n + k - 1)]).astype(np.int64)
+    if k:
+        parents[n] = same - 1  # the branch leaves after the shared prefix (-1: at the root)
+    depth = np.concatenate([np.arange(1, n + 1), np.arange(same + 1, same + k + 1)]).astype(np.int64)
+    return np.concatenate([chain.astype(np.int64), extra]), parents, depth
 
 
 def lookup_positions(
@@ -170,10 +172,11 @@ class PromptLookupDrafter:
     ) -> TokenTree:
         ctx = committed.detach().cpu().numpy()
         ngram, chain = find_match(ctx, tree.max_depth, self.max_ngram, self.min_ngram)
-        chain = chain[: chain_length(ngram, tree.max_depth, tree.ngram_depths)].astype(np.int64)
-        parents = np.arange(-1, chain.shape[0] - 1, dtype=np.int64)
+        chain = chain[: chain_length(ngram, tree.max_depth, tree.ngram_depths)]
+        branch = ctx[:0]
         if sampling.greedy and self.phrases is not None and self.phrase_length:
-            chain, parents = with_branch(chain, self.phrases.chain(ctx, self.phrase_length))
+            branch = self.phrases.chain(ctx, self.phrase_length)
+        chain, parents, depth = with_branch(chain, branch)
         n = int(chain.shape[0])
         long = dict(dtype=torch.long)
         q_dists, dist_row = None, torch.full((n,), -1, **long)  # greedy verification reads no q
@@ -181,9 +184,6 @@ class PromptLookupDrafter:
             q_dists = torch.zeros(n, self.vocab_size, dtype=torch.float32)
             q_dists[torch.arange(n), torch.from_numpy(chain).long()] = 1.0
             dist_row = torch.arange(n, **long)
-        depth = np.zeros(n, dtype=np.int64)
-        for i in range(n):  # parents precede their children
-            depth[i] = 1 + (depth[parents[i]] if parents[i] >= 0 else 0)
         return TokenTree(
             tokens=torch.from_numpy(chain),
             parents=torch.from_numpy(parents),

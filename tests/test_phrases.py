@@ -62,7 +62,8 @@ def test_the_file_round_trips_and_refuses_what_is_not_a_table(tmp_path):
 
 def test_the_branch_shares_the_chain_prefix():
     def tree(chain, branch):
-        tokens, parents = with_branch(np.array(chain, dtype=np.int64), np.array(branch, dtype=np.int64))
+        tokens, parents, depth = with_branch(np.array(chain, dtype=np.int64), np.array(branch, dtype=np.int64))
+        assert depth.tolist() == [1 + (depth[p] if p >= 0 else 0) for p in parents], "a node sits below its parent"
         return tokens.tolist(), parents.tolist()
 
     assert tree([5, 6, 7], [5, 9]) == ([5, 6, 7, 9], [-1, 0, 1, 0])
@@ -70,6 +71,7 @@ def test_the_branch_shares_the_chain_prefix():
     assert tree([3], [1, 2]) == ([3, 1, 2], [-1, -1, 1])  # two branches from the root
     assert tree([], [1, 2]) == ([1, 2], [-1, 0])
     assert tree([4, 4], []) == ([4, 4], [-1, 0])
+    assert tree([], []) == ([], [])
 
 
 def test_greedy_trees_hold_the_branch_and_sampled_trees_do_not():

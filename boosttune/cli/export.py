@@ -72,14 +72,12 @@ def _export_bundle(args: argparse.Namespace) -> int:
     from boosttune.core.rundir import RunDir
     from boosttune.export.bundle import export_bundle
     from boosttune.serving import kinds
-    from boosttune.train.draft_ranking import ensure_draft_ranking, ensure_phrases
+    from boosttune.train.draft_ranking import ensure_counted
 
     if args.draft_vocab is not None and args.draft_vocab < 0:
         raise ValueError(f"--draft-vocab must be >= 0 (0 = the whole vocabulary), got {args.draft_vocab}")
     run = RunDir(args.run_dir)
-    if run.prompts_info() is not None:  # runs from before the ranking existed: count it from their teacher outputs
-        ensure_draft_ranking(run)
-        ensure_phrases(run)
+    ensure_counted(run)  # runs from before the ranking or the phrase table existed: count them from their teacher outputs
     drafters = [n.strip() for n in args.drafters.split(",") if n.strip()] if args.drafters else None
     res = export_bundle(run, args.out, force=args.force, draft_vocab=args.draft_vocab, drafters=drafters,
                         prompt_lookup=args.prompt_lookup)

@@ -18,32 +18,28 @@ from boosttune.serving.phrases import build_phrases, save_phrases
 
 
 def ensure_draft_ranking(run: RunDir, vocab_size: int | None = None, ds=None) -> Path:
-    """The run's ranking file, built from its teacher shards (``ds`` if already loaded) if missing;
-    ``vocab_size``: the LLM's (None: from the config of the LLM the run's report names)."""
+    """The run's ranking file, built from its teacher shards (``ds`` if already loaded) if missing, with
+    the phrase table (:func:`ensure_counted`); ``vocab_size``: the LLM's (None: from the config of the LLM
+    the run's report names)."""
     path = run.draft_vocab_path
-    if path.is_file():
-        return path
-    info = run.prompts_info()
-    if info is None:
+    if not path.is_file() and run.prompts_info() is None:
         raise ValueError(f"{run}: no {path.name} and no teacher outputs to rank tokens by; "
                          "use the whole vocabulary (draft vocabulary 0)")
-    outputs, vocab_size = _training_outputs(run, vocab_size, ds)
-    ranking, counts = rank_tokens(outputs, vocab_size)
-    save_ranking(path, ranking, counts)
+    ensure_counted(run, vocab_size, ds)
     return path
 
 
-def ensure_phrases(run: RunDir, vocab_size: int | None = None, ds=None) -> Path | None:
-    """The run's phrase table file, built from its teacher shards if missing (None: a run without
-    teacher outputs); arguments as :func:`ensure_draft_ranking`'s."""
-    path = run.phrases_path
-    if path.is_file():
-        return path
-    if run.prompts_info() is None:
-        return None
+def ensure_counted(run: RunDir, vocab_size: int | None = None, ds=None) -> None:
+    """The run's draft vocabulary ranking and phrase table, each built if missing, from one read of its
+    teacher outputs (nothing for a run without them); arguments as :func:`ensure_draft_ranking`'s."""
+    missing = [p for p in (run.draft_vocab_path, run.phrases_path) if not p.is_file()]
+    if not missing or run.prompts_info() is None:
+        return
     outputs, vocab_size = _training_outputs(run, vocab_size, ds)
-    save_phrases(path, build_phrases(outputs, vocab_size))
-    return path
+    if run.draft_vocab_path in missing:
+        save_ranking(run.draft_vocab_path, *rank_tokens(outputs, vocab_size))
+    if run.phrases_path in missing:
+        save_phrases(run.phrases_path, build_phrases(outputs, vocab_size))
 
 
 def _training_outputs(run: RunDir, vocab_size: int | None, ds) -> tuple[list[list[int]], int]:

@@ -74,7 +74,7 @@ from boosttune.train.coverage import (
     union_rank_rows,
 )
 from boosttune.train.distill import Sample, samples_from_teacher
-from boosttune.train.draft_ranking import ensure_draft_ranking, ensure_phrases
+from boosttune.train.draft_ranking import ensure_counted
 from boosttune.train.faults import crash_point
 from boosttune.train.matching import is_match, summarize_agreement, teacher_forced_scores
 from boosttune.train.sources import TrainPrompt, collect_prompts, default_seeds
@@ -400,8 +400,7 @@ def prompts_and_teacher(cfg: TrainConfig, run: RunDir, llm: LoadedModel) -> Teac
     dist.barrier()
     ds = load_teacher(run, len(prompts), cfg.teacher.shard_size)
     if dist.is_main():
-        ensure_draft_ranking(run, model_vocab_size(llm.model), ds)
-        ensure_phrases(run, model_vocab_size(llm.model), ds)
+        ensure_counted(run, model_vocab_size(llm.model), ds)
     n_train = prompts_info["train"]
     pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else min(eos_token_ids(llm))
     return TeacherData(prompts_info=prompts_info, prompts=prompts, teacher=teacher_summary(run, ds),
