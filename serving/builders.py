@@ -1,5 +1,5 @@
-"""Building trees: choosing children, cutting a tree to a subset, and merging several drafters'
-trees; short pure functions. A tree's shape (``TreeConfig``) and the policies that grow it live
+"""Building trees: choosing children, growing a drafter's tree depth by depth (``TreeGrowth``), cutting
+a tree to a subset, and merging several drafters' trees. A tree's shape (``TreeConfig``) and the policies that grow it live
 beside the trees themselves, in ``tree.py``.
 
 Shape legend: F frontier nodes (nodes being expanded at one depth), W children per node,
@@ -11,10 +11,12 @@ Children are the top-W tokens of q for greedy decoding, and W draws *without rep
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-from boosttune.serving.tree import TokenTree
+from boosttune.serving.tree import TokenTree, TreeConfig, ancestor_mask
 
 
 def choose_children(q: Tensor, width: int, greedy: bool, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
@@ -49,6 +51,125 @@ def subtree(tree: TokenTree, keep: Tensor) -> tuple[TokenTree, Tensor]:
         q_prob=tree.q_prob[old], dist_row=tree.dist_row[old], q_dists=tree.q_dists,
     )
     return t, old
+
+
+class TreeGrowth:
+    """One drafter's tree grown depth by depth, with the forwards left to the caller: ``expand``
+    chooses a depth's children (``choose_children``, the tree policy's frontier and width) and names
+    the nodes to feed, ``fed`` takes their q, ``finish`` applies the policy's cut and returns the tree.
+    ``SSMDrafter`` feeds each depth's nodes to its own cache, ``StackedSSMs`` to every member's at once
+    (padded slots), so both draft the same children, q, node order and cut.
+
+    Greedy trees record no q rows (``dist_row`` -1); sampled trees keep each frontier's q for
+    stochastic verification. Slots count the nodes fed after the committed tokens: node i's KV entry
+    sits at slot ``fed`` + its position in the ``nodes`` handed to ``fed``.
+    """
+
+    def __init__(self, cfg: TreeConfig, greedy: bool, q_root: Tensor, vocab_ids: Tensor | None = None):
+        """``q_root``: (1, V) q after the committed tokens, or (1, K) over the draft vocabulary
+        ``vocab_ids`` (the token of each of its columns)."""
+        self.cfg, self.policy, self.greedy = cfg, cfg.policy, greedy
+        self.vocab_ids = vocab_ids
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.q_prob: list[float] = []
+        self.dist_row: list[int] = []
+        self.cum: list[float] = []
+        self.depths: list[int] = []
+        self.dists: list[Tensor] = []
+        self.slot: dict[int, int] = {}  # node → its slot after the committed tokens
+        self.frontier = torch.tensor([-1])  # node indices being expanded (-1 = root)
+        self.q_frontier = q_root  # (F, V), or (F, K) over ``vocab_ids``
+        self.cum_frontier = torch.zeros(1)
+        self.done = False
+        self._new_cum: Tensor | None = None
+
+    def expand(self, d: int, generator: torch.Generator | None) -> Tensor | None:
+        """Add depth ``d + 1``'s children; returns the (F',) new nodes to feed (None: the tree is done)."""
+        if self.done:
+            return None
+        cfg, policy = self.cfg, self.policy
+        sel = policy.frontier(cfg, d, self.cum_frontier)
+        if sel is not None:
+            self.frontier, self.cum_frontier = self.frontier[sel], self.cum_frontier[sel]
+            self.q_frontier = self.q_frontier[sel.to(self.q_frontier.device)]
+        q_frontier = self.q_frontier
+        child_tok, valid = choose_children(q_frontier, policy.width(cfg, d), self.greedy, generator)  # (F, W)
+        child_q = q_frontier.gather(1, child_tok)  # (F, W)
+        if self.vocab_ids is not None:
+            child_tok = self.vocab_ids[child_tok]  # draft vocabulary columns → token ids
+        # the bookkeeping lives on the host (its lists sync anyway): the small (F, W) choices come
+        # over once per depth; no copy when the drafter runs on the CPU
+        child_tok, valid, child_q = child_tok.cpu(), valid.cpu(), child_q.cpu()
+        if not self.greedy:
+            rows = torch.arange(len(self.dists), len(self.dists) + q_frontier.shape[0])
+            self.dists.append(q_frontier)
+        else:
+            rows = torch.full((q_frontier.shape[0],), -1)
+        f, w = child_tok.shape
+        par = self.frontier.unsqueeze(1).expand(f, w)
+        count = int(valid.sum())  # host sync: once per depth
+        new_idx = torch.arange(len(self.tokens), len(self.tokens) + count)
+        self.tokens += child_tok[valid].tolist()
+        self.parents += par[valid].tolist()
+        self.q_prob += child_q[valid].tolist()
+        self.dist_row += rows.unsqueeze(1).expand(f, w)[valid].tolist()
+        new_cum = (self.cum_frontier.unsqueeze(1) + child_q.clamp(min=1e-30).log())[valid]
+        self.cum += new_cum.tolist()
+        self.depths += [d + 1] * count
+        if cfg.min_prob > 0.0:  # expand only branches the drafter still believes in
+            live = new_cum >= math.log(cfg.min_prob)
+            new_idx, new_cum = new_idx[live], new_cum[live]
+        if d + 1 == cfg.max_depth or new_idx.numel() == 0:
+            self.done = True
+            return None
+        self._new_cum = new_cum
+        return new_idx
+
+    def tokens_of(self, nodes: Tensor) -> Tensor:
+        return torch.tensor(self.tokens, dtype=torch.long)[nodes]
+
+    def parents_of(self, nodes: Tensor) -> Tensor:
+        return torch.tensor(self.parents, dtype=torch.long)[nodes]
+
+    def feed_mask(self, nodes: Tensor, fed: int, width: int) -> Tensor:
+        """(F', fed + width) bool: what the new ``nodes`` see of the slots after the committed tokens
+        (their fed ancestors, and themselves at slots ``fed ...``; slots past them are padding)."""
+        anc = ancestor_mask(torch.tensor(self.parents, dtype=torch.long))  # (N, N)
+        mask = torch.zeros(nodes.numel(), fed + width, dtype=torch.bool)
+        if self.slot:
+            old = torch.tensor(list(self.slot), dtype=torch.long)
+            cols = torch.tensor(list(self.slot.values()), dtype=torch.long)
+            mask[:, cols] = anc[nodes][:, old]
+        mask[:, fed : fed + nodes.numel()] = anc[nodes][:, nodes]
+        return mask
+
+    def fed(self, nodes: Tensor, fed: int, q: Tensor) -> None:
+        """The new ``nodes`` were fed at slots ``fed ...``; ``q``: (F', V) their draft distributions."""
+        for i, node in enumerate(nodes.tolist()):
+            self.slot[node] = fed + i
+        self.frontier, self.q_frontier = nodes, q
+        assert self._new_cum is not None
+        self.cum_frontier = self._new_cum
+
+    def finish(self) -> tuple[TokenTree, Tensor]:
+        """The tree (proposers 0) and (N,) each node's slot (-1: not fed), after the policy's cut."""
+        long = dict(dtype=torch.long)
+        n = len(self.tokens)
+        drafted = TokenTree(
+            tokens=torch.tensor(self.tokens, **long), parents=torch.tensor(self.parents, **long),
+            depth=torch.tensor(self.depths, **long), proposer=torch.zeros(n, **long),
+            q_prob=torch.tensor(self.q_prob, dtype=torch.float32), dist_row=torch.tensor(self.dist_row, **long),
+            q_dists=torch.cat(self.dists) if self.dists else None,
+        )
+        slots = torch.full((n,), -1, **long)
+        if self.slot:
+            slots[torch.tensor(list(self.slot), **long)] = torch.tensor(list(self.slot.values()), **long)
+        keep = self.policy.keep(self.cfg, torch.tensor(self.cum), drafted.depth, self.greedy)
+        if keep is not None:
+            drafted, old = subtree(drafted, keep)
+            slots = slots[old]
+        return drafted, slots
 
 
 def merge_trees(trees: list[TokenTree], dedupe: bool) -> tuple[TokenTree, list[Tensor]]:

@@ -22,7 +22,6 @@ is fed at the start of the next ``draft``. The committed prefix is never re-run.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -32,11 +31,11 @@ import torch
 from torch import Tensor
 
 from boosttune.core.ranks import token_ranks
-from boosttune.serving.builders import choose_children, subtree
+from boosttune.serving.builders import TreeGrowth
 from boosttune.serving.draft_vocab import head_ids
 from boosttune.serving.runner import ModelRunner
 from boosttune.serving.sampling import SamplingParams, logits_to_probs
-from boosttune.serving.tree import TokenTree, TreeConfig, ancestor_mask
+from boosttune.serving.tree import TokenTree, TreeConfig
 
 
 @dataclass(frozen=True)
@@ -211,7 +210,7 @@ class SSMDrafter:
     def draft(
         self, committed: Tensor, tree: TreeConfig, sampling: SamplingParams, generator: torch.Generator | None
     ) -> TokenTree:
-        cfg, policy = tree, tree.policy  # cfg: the tree's shape; the drafted TokenTree is built below
+        cfg = tree  # the tree's shape
         greedy = sampling.greedy
         t = committed.shape[0]
         self._committed_len = t
@@ -222,80 +221,26 @@ class SSMDrafter:
             """(F, V_ssm) logits → (F, V) q, or (F, K) over the draft vocabulary ``ids`` (greedy)."""
             return draft_probs(self._fit(logits) if ids is None else logits.index_select(-1, ids), sampling)
 
-        q_root = probs(self._catch_up(committed).unsqueeze(0))  # (1, V) or (1, K)
-
-        tokens, parents, q_prob, dist_row = [], [], [], []
-        cum, depths = [], []
-        dists = []
-        fed: list[int] = []  # node indices in cache order after the committed tokens
-        frontier = torch.tensor([-1])  # node indices being expanded (-1 = root)
-        q_frontier = q_root  # (F, V)
-        cum_frontier = torch.zeros(1)
+        growth = TreeGrowth(cfg, greedy, probs(self._catch_up(committed).unsqueeze(0)), ids)  # q: (1, V) or (1, K)
+        fed = 0  # nodes fed after the committed tokens, in cache order
         for d in range(cfg.max_depth):
-            sel = policy.frontier(cfg, d, cum_frontier)
-            if sel is not None:
-                frontier, cum_frontier = frontier[sel], cum_frontier[sel]
-                q_frontier = q_frontier[sel.to(q_frontier.device)]
-            child_tok, valid = choose_children(q_frontier, policy.width(cfg, d), greedy, generator)  # (F, W)
-            child_q = q_frontier.gather(1, child_tok)  # (F, W)
-            if ids is not None:
-                child_tok = ids[child_tok]  # draft vocabulary rows → token ids
-            # the tree's bookkeeping lives on the host (its lists sync anyway): bring the small
-            # (F, W) choices over once per depth; no copy when the SSM runs on the CPU
-            child_tok, valid, child_q = child_tok.cpu(), valid.cpu(), child_q.cpu()
-            if not greedy:
-                rows = torch.arange(len(dists), len(dists) + q_frontier.shape[0])
-                dists.append(q_frontier)
-            else:
-                rows = torch.full((q_frontier.shape[0],), -1)
-            f, w = child_tok.shape
-            par = frontier.unsqueeze(1).expand(f, w)
-            new_idx = torch.arange(len(tokens), len(tokens) + int(valid.sum()))
-            tokens += child_tok[valid].tolist()  # host sync: once per depth
-            parents += par[valid].tolist()
-            q_prob += child_q[valid].tolist()
-            dist_row += rows.unsqueeze(1).expand(f, w)[valid].tolist()
-            new_cum = (cum_frontier.unsqueeze(1) + child_q.clamp(min=1e-30).log())[valid]
-            cum += new_cum.tolist()
-            depths += [d + 1] * int(valid.sum())
-            if cfg.min_prob > 0.0:  # expand only branches the SSM still believes in
-                live = new_cum >= math.log(cfg.min_prob)
-                new_idx, new_cum = new_idx[live], new_cum[live]
-            if d + 1 == cfg.max_depth or new_idx.numel() == 0:
+            nodes = growth.expand(d, generator)  # (F',) to feed, or None: the tree is done
+            if nodes is None:
                 break
-            # feed the new nodes: they see the committed prefix, their fed ancestors and themselves
-            par_t = torch.tensor(parents, dtype=torch.long)
-            anc = ancestor_mask(par_t)  # (N, N)
-            order = torch.tensor(fed + new_idx.tolist(), dtype=torch.long)
-            mask = anc[new_idx][:, order]  # (F', fed + F')
-            logits = self._feed_nodes(torch.tensor(tokens, dtype=torch.long), par_t, new_idx, d + 1, t, mask)
-            fed += new_idx.tolist()
-            frontier = new_idx
-            q_frontier = probs(logits)  # (F', V) or (F', K)
-            cum_frontier = new_cum
-
-        long = dict(dtype=torch.long)
-        n = len(tokens)
-        drafted = TokenTree(
-            tokens=torch.tensor(tokens, **long), parents=torch.tensor(parents, **long),
-            depth=torch.tensor(depths, **long), proposer=torch.zeros(n, **long),
-            q_prob=torch.tensor(q_prob, dtype=torch.float32), dist_row=torch.tensor(dist_row, **long),
-            q_dists=torch.cat(dists) if dists else None,
-        )
-        slots = torch.full((n,), -1, **long)
-        slots[torch.tensor(fed, **long)] = torch.arange(len(fed))
-        keep = policy.keep(cfg, torch.tensor(cum), drafted.depth, greedy)
-        if keep is not None:
-            drafted, old = subtree(drafted, keep)
-            slots = slots[old]
-        self._slots = slots
+            # they see the committed prefix, their fed ancestors and themselves
+            mask = growth.feed_mask(nodes, fed, nodes.numel())  # (F', fed + F')
+            logits = self._feed_nodes(nodes, growth.tokens_of(nodes), growth.parents_of(nodes), d + 1, t, mask)
+            growth.fed(nodes, fed, probs(logits))  # (F', V) or (F', K)
+            fed += nodes.numel()
+        drafted, self._slots = growth.finish()
         return drafted
 
-    def _feed_nodes(self, tokens: Tensor, parents: Tensor, new_idx: Tensor, depth: int, t: int, mask: Tensor) -> Tensor:
-        """Feed the new nodes ``new_idx`` (all at ``depth``) after the ``t`` committed tokens and the
-        nodes fed before them, with ``mask`` (F', fed + F'); returns their (F', V_ssm) logits."""
-        pos = (t - 1 + depth) + torch.zeros(1, new_idx.numel(), dtype=torch.long)
-        return self.runner.forward(tokens[new_idx].unsqueeze(0), pos, t, mask)
+    def _feed_nodes(self, nodes: Tensor, tokens: Tensor, parents: Tensor, depth: int, t: int, mask: Tensor) -> Tensor:
+        """Feed the (F',) new ``nodes`` (all at ``depth``; their ``tokens`` and ``parents``, each (F',))
+        after the ``t`` committed tokens and the nodes fed before them, with ``mask`` (F', fed + F');
+        returns their (F', V_ssm) logits."""
+        pos = (t - 1 + depth) + torch.zeros(1, tokens.numel(), dtype=torch.long)
+        return self.runner.forward(tokens.unsqueeze(0), pos, t, mask)
 
     def accept(self, accepted: list[int]) -> None:
         keep = []

@@ -86,12 +86,12 @@ class FeatureDrafter(SSMDrafter):
         self._node_hidden = {-1: hidden[-1]}
         return self._fit(logits[-1])
 
-    def _feed_nodes(self, tokens: Tensor, parents: Tensor, new_idx: Tensor, depth: int, t: int, mask: Tensor) -> Tensor:
-        feats = torch.stack([self._node_hidden[p] for p in parents[new_idx].tolist()])  # (F', H)
-        inputs = self._pair(feats, tokens[new_idx])
-        pos = (t - 2 + depth) + torch.zeros(1, new_idx.numel(), dtype=torch.long)
+    def _feed_nodes(self, nodes: Tensor, tokens: Tensor, parents: Tensor, depth: int, t: int, mask: Tensor) -> Tensor:
+        feats = torch.stack([self._node_hidden[p] for p in parents.tolist()])  # (F', H)
+        inputs = self._pair(feats, tokens)
+        pos = (t - 2 + depth) + torch.zeros(1, nodes.numel(), dtype=torch.long)
         logits, hidden = self.runner.forward_hidden(inputs.unsqueeze(0), pos, t - 1, mask)
-        for i, node in enumerate(new_idx.tolist()):
+        for i, node in enumerate(nodes.tolist()):
             self._node_hidden[node] = hidden[i]
         return logits
 

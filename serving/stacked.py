@@ -29,7 +29,7 @@ drafters (:class:`StackedMember`, one per SSM, each under the SSM's own name), s
 plans, the learned scheduler's per-drafter labels and ``proposer_hits`` see N drafters as before and
 the engine stays untouched: the first member the engine asks for a tree at a step drafts all N trees
 in one go; the others return theirs. Each member's tree is grown exactly as ``SSMDrafter`` grows it
-(:class:`_Growth`: same children, same q, same node order, same subtree cut), so the engine merges
+(``builders.TreeGrowth``: same children, same q, same node order, same subtree cut), so the engine merges
 them exactly as it merges separate SSM drafters' trees (``tests/test_stacked.py`` compares both).
 
 Cache bookkeeping: all members share one cache length. Member m's committed entries are valid up to
@@ -54,7 +54,6 @@ Limits:
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,12 +65,12 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from boosttune.core.low_rank import Factors, rebuilds
 from boosttune.serving import cpu_linear
-from boosttune.serving.builders import choose_children, subtree
+from boosttune.serving.builders import TreeGrowth
 from boosttune.serving.drafter import Features, Replay, SSMDrafter, draft_probs, greedy_vocab
 from boosttune.serving.lean import drafter_runner, lean_reason
 from boosttune.serving.runner import restricted_head_error
 from boosttune.serving.sampling import SamplingParams
-from boosttune.serving.tree import TokenTree, TreeConfig, ancestor_mask
+from boosttune.serving.tree import TokenTree, TreeConfig
 
 PRODUCTS = ("packed", "bmm")
 
@@ -445,7 +444,7 @@ class StackedSSMs:
         logits = self.forward(chain.expand(n, r), torch.arange(start, t), start, mask,
                               scatter=ids_k is None)[:, -1]  # (M, V) or (M, K)
         self._synced = [t] * n
-        growths = [_Growth(tree, sampling, probs(j, logits[j : j + 1]), ids_k) for j in range(n)]
+        growths = [TreeGrowth(tree, sampling.greedy, probs(j, logits[j : j + 1]), ids_k) for j in range(n)]
         fed = 0  # padded slots fed after the committed tokens
         for d in range(tree.max_depth):
             feeds = [g.expand(d, generator) for g in growths]  # per member: (F,) new nodes to feed, or None
@@ -487,112 +486,6 @@ class StackedSSMs:
             for cache in (*self._keys, *self._values):
                 cache[member, :, start : start + len(keep)] = cache[member].index_select(1, idx)
         self._synced[member] = start + len(keep)
-
-
-class _Growth:
-    """One drafter's tree, grown depth by depth exactly as ``SSMDrafter.draft`` grows it, with the
-    forwards left to the caller: ``expand`` chooses a depth's children and names the nodes to feed,
-    ``fed`` takes their q, ``finish`` cuts and returns the tree."""
-
-    def __init__(self, cfg: TreeConfig, sampling: SamplingParams, q_root: Tensor, vocab_ids: Tensor | None = None):
-        """``vocab_ids``: (K,) the token of each column of q where q covers a draft vocabulary alone."""
-        self.cfg, self.policy, self.greedy = cfg, cfg.policy, sampling.greedy
-        self.vocab_ids = vocab_ids
-        self.tokens: list[int] = []
-        self.parents: list[int] = []
-        self.q_prob: list[float] = []
-        self.dist_row: list[int] = []
-        self.cum: list[float] = []
-        self.depths: list[int] = []
-        self.dists: list[Tensor] = []
-        self.slot: dict[int, int] = {}  # node → its padded slot after the committed tokens
-        self.frontier = torch.tensor([-1])  # node indices being expanded (-1 = root)
-        self.q_frontier = q_root  # (F, V), or (F, K) over ``vocab_ids``
-        self.cum_frontier = torch.zeros(1)
-        self.done = False
-        self._new_cum: Tensor | None = None
-
-    def expand(self, d: int, generator: torch.Generator | None) -> Tensor | None:
-        """Add depth ``d + 1``'s children; returns the (F',) new nodes to feed (None: the tree is done)."""
-        if self.done:
-            return None
-        cfg, policy = self.cfg, self.policy
-        sel = policy.frontier(cfg, d, self.cum_frontier)
-        if sel is not None:
-            self.frontier, self.cum_frontier = self.frontier[sel], self.cum_frontier[sel]
-            self.q_frontier = self.q_frontier[sel.to(self.q_frontier.device)]
-        q_frontier = self.q_frontier
-        child_tok, valid = choose_children(q_frontier, policy.width(cfg, d), self.greedy, generator)  # (F, W)
-        child_q = q_frontier.gather(1, child_tok)  # (F, W)
-        if self.vocab_ids is not None:
-            child_tok = self.vocab_ids[child_tok]  # draft vocabulary columns → token ids
-        child_tok, valid, child_q = child_tok.cpu(), valid.cpu(), child_q.cpu()
-        if not self.greedy:
-            rows = torch.arange(len(self.dists), len(self.dists) + q_frontier.shape[0])
-            self.dists.append(q_frontier)
-        else:
-            rows = torch.full((q_frontier.shape[0],), -1)
-        f, w = child_tok.shape
-        par = self.frontier.unsqueeze(1).expand(f, w)
-        count = int(valid.sum())  # host sync: once per depth
-        new_idx = torch.arange(len(self.tokens), len(self.tokens) + count)
-        self.tokens += child_tok[valid].tolist()
-        self.parents += par[valid].tolist()
-        self.q_prob += child_q[valid].tolist()
-        self.dist_row += rows.unsqueeze(1).expand(f, w)[valid].tolist()
-        new_cum = (self.cum_frontier.unsqueeze(1) + child_q.clamp(min=1e-30).log())[valid]
-        self.cum += new_cum.tolist()
-        self.depths += [d + 1] * count
-        if cfg.min_prob > 0.0:  # expand only branches the SSM still believes in
-            live = new_cum >= math.log(cfg.min_prob)
-            new_idx, new_cum = new_idx[live], new_cum[live]
-        if d + 1 == cfg.max_depth or new_idx.numel() == 0:
-            self.done = True
-            return None
-        self._new_cum = new_cum
-        return new_idx
-
-    def tokens_of(self, nodes: Tensor) -> Tensor:
-        return torch.tensor(self.tokens, dtype=torch.long)[nodes]
-
-    def feed_mask(self, nodes: Tensor, fed: int, width: int) -> Tensor:
-        """(F', fed + width) bool: what the new ``nodes`` see of the padded slots (their fed ancestors
-        and themselves, at slots ``fed ...``)."""
-        anc = ancestor_mask(torch.tensor(self.parents, dtype=torch.long))  # (N, N)
-        mask = torch.zeros(nodes.numel(), fed + width, dtype=torch.bool)
-        if self.slot:
-            old = torch.tensor(list(self.slot), dtype=torch.long)
-            cols = torch.tensor(list(self.slot.values()), dtype=torch.long)
-            mask[:, cols] = anc[nodes][:, old]
-        mask[:, fed : fed + nodes.numel()] = anc[nodes][:, nodes]
-        return mask
-
-    def fed(self, nodes: Tensor, fed: int, q: Tensor) -> None:
-        """The new ``nodes`` were fed at slots ``fed ...``; ``q``: (F', V) their draft distributions."""
-        for i, node in enumerate(nodes.tolist()):
-            self.slot[node] = fed + i
-        self.frontier, self.q_frontier = nodes, q
-        assert self._new_cum is not None
-        self.cum_frontier = self._new_cum
-
-    def finish(self) -> tuple[TokenTree, Tensor]:
-        """The tree (proposers 0) and (N,) each node's slot (-1: not fed), after the policy's cut."""
-        long = dict(dtype=torch.long)
-        n = len(self.tokens)
-        drafted = TokenTree(
-            tokens=torch.tensor(self.tokens, **long), parents=torch.tensor(self.parents, **long),
-            depth=torch.tensor(self.depths, **long), proposer=torch.zeros(n, **long),
-            q_prob=torch.tensor(self.q_prob, dtype=torch.float32), dist_row=torch.tensor(self.dist_row, **long),
-            q_dists=torch.cat(self.dists) if self.dists else None,
-        )
-        slots = torch.full((n,), -1, **long)
-        if self.slot:
-            slots[torch.tensor(list(self.slot), **long)] = torch.tensor(list(self.slot.values()), **long)
-        keep = self.policy.keep(self.cfg, torch.tensor(self.cum), drafted.depth, self.greedy)
-        if keep is not None:
-            drafted, old = subtree(drafted, keep)
-            slots = slots[old]
-        return drafted, slots
 
 
 @dataclass(eq=False)  # drafters compare and hash by identity, as SSMDrafter does
