@@ -198,6 +198,17 @@ def test_calibration_repeats_script_recosts_a_bundle_and_times_its_choices(run_d
     assert "--repeats must be >= 1" in capsys.readouterr().err
 
 
+def test_export_says_prompt_lookup_comes_with_the_scheduler(run_dir, tmp_path, capsys):
+    """A bundle whose scheduler plans prompt lookup lists no lookup entry of its own; export's summary
+    says lookup runs where the scheduler plans it, not that it is off."""
+    assert (run_dir / "scheduler" / "scheduler.json").is_file()  # written by the first test, with prompt lookup
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "planned")]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert "scheduler scheduler, prompt lookup where the scheduler plans it" in line
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "fixed"), "--prompt-lookup", "4"]) == 0
+    assert "prompt lookup 4" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("no_scheduler", [False, True])
 def test_generate_serve_and_bench_assemble_the_same_engine_from_one_bundle(run_dir, tmp_path, monkeypatch, capsys,
                                                                           no_scheduler):

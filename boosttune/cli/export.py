@@ -86,9 +86,10 @@ def _export_bundle(args: argparse.Namespace) -> int:
         return "its own" if kinds.kind(d.kind).own_vocabulary else d.tree.draft_vocab or "whole"
 
     drafters = ", ".join(f"{d.name} ({d.kind}, draft vocabulary {vocab(d)})" for d in m.models)
+    lookup = m.prompt_lookup or ("where the scheduler plans it" if res.scheduler_lookup else "off")
     print(
         f"bundle {res.bundle}: LLM {m.llm.ref} (sha256 {m.llm.sha256[:12]}), drafters {drafters}, "
-        f"scheduler {m.scheduler_dir or 'none'}, prompt lookup {m.prompt_lookup or 'off'}"
+        f"scheduler {m.scheduler_dir or 'none'}, prompt lookup {lookup}"
         f"{', the phrase table' if m.phrases else ''}, "
         f"{len(m.files)} files, {res.total_bytes / 1e6:.1f} MB"
     )

@@ -57,13 +57,15 @@ _PROFILE = "acceptance_profile.json"
 
 @dataclass(frozen=True)
 class ExportResult:
-    """What export wrote: the bundle directory, its manifest, its size in bytes, and why it ships the
-    drafters it does when export chose them (``Choice``; None: all, or the ones asked for)."""
+    """What export wrote: the bundle directory, its manifest, its size in bytes, why it ships the
+    drafters it does when export chose them (``Choice``; None: all, or the ones asked for), and whether
+    the shipped scheduler plans prompt lookup (the manifest then lists no lookup entry of its own)."""
 
     bundle: Path
     manifest: Manifest
     total_bytes: int
     choice: Choice | None = None
+    scheduler_lookup: bool = False
 
 
 @dataclass(frozen=True)
@@ -246,12 +248,14 @@ def export_bundle(
     if is_complete(run.eagle3_dir):
         ssm_dirs.append(run.eagle3_dir)
     choice = None
-    if drafters is None and run.scheduler_file.is_file():  # the drafters the learned scheduler chooses among
+    scheduled: list[str] = []  # the drafters the learned scheduler chooses among, prompt lookup's name too
+    if run.scheduler_file.is_file():
         try:
-            planned = [n for n in Scheduler.load(run.scheduler_file).drafters if n != LOOKUP_NAME]
+            scheduled = list(Scheduler.load(run.scheduler_file).drafters)
         except SchedulerFileError as e:
             raise ValueError(f"the run's learned scheduler cannot be read: {e}") from None
-        ssm_dirs = [d for d in ssm_dirs if d.name in planned]
+    if drafters is None and run.scheduler_file.is_file():
+        ssm_dirs = [d for d in ssm_dirs if d.name in scheduled and d.name != LOOKUP_NAME]
     if drafters is None and not run.scheduler_file.is_file():
         choice = fastest_drafters(report.get("evaluation"), [d.name for d in ssm_dirs])
         if choice is not None:
@@ -265,13 +269,9 @@ def export_bundle(
             raise ValueError(f"--drafters: the run has {known}, got {list(drafters)}")
         ssm_dirs = [d for d in ssm_dirs if d.name in drafters]
         if run.scheduler_file.is_file():  # a scheduler for other drafters would be refused at load: left out
-            try:
-                sched = Scheduler.load(run.scheduler_file)
-            except SchedulerFileError as e:
-                raise ValueError(f"the run's learned scheduler cannot be read: {e}") from None
-            ship_scheduler = sorted(n for n in sched.drafters if n != LOOKUP_NAME) == sorted(d.name for d in ssm_dirs)
+            ship_scheduler = sorted(n for n in scheduled if n != LOOKUP_NAME) == sorted(d.name for d in ssm_dirs)
             if not ship_scheduler:
-                lookup_depths = tuple(sched.lookup_depths)
+                lookup_depths = tuple(Scheduler.load(run.scheduler_file).lookup_depths)
     if not ssm_dirs:
         raise ValueError(f"{run}: no complete SSM under ssms/ (no complete.json); finish `boosttune train` first")
     check_out(out, run, force)
@@ -337,4 +337,5 @@ def export_bundle(
             phrases=phrases.name if phrases is not None else None,
         )
         manifest.write(tmp)  # last: a bundle without it is refused
-    return ExportResult(bundle=out, manifest=manifest, total_bytes=tree_bytes(out), choice=choice)
+    return ExportResult(bundle=out, manifest=manifest, total_bytes=tree_bytes(out), choice=choice,
+                        scheduler_lookup=ship_scheduler and LOOKUP_NAME in scheduled)
