@@ -23,8 +23,9 @@ the drafter would see exactly the prompt and the output before it.
 Given the LLM's phrase table (``phrases.py``), greedy trees hold a second branch: up to
 ``phrases.CHAIN`` tokens the LLM most often writes after the newest two, sharing whatever prefix
 they have with the copied chain. Sampling drafts the copied chain alone (its q is one-hot, and a
-second deterministic sibling would need the verifier's residual over the first), and the replay
-labels the copied chain alone: the scheduler's labels count without the table.
+second deterministic sibling would need the verifier's residual over the first). The replay labels
+the branch too (``branch_positions``), so the scheduler's walk counts what it accepts and the nodes it
+adds, for every chain length it tries.
 """
 
 from __future__ import annotations
@@ -91,13 +92,18 @@ def chain_length(ngram: int, depth: int, ngram_depths: tuple[int, ...] = ()) -> 
     return depth
 
 
+def shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens the two arrays have in common."""
+    n = min(a.shape[0], b.shape[0])
+    same = a[:n] == b[:n]
+    return n if same.all() else int(np.argmin(same))
+
+
 def with_branch(chain: np.ndarray, branch: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The tree of ``chain`` (a path from the root) plus ``branch``, another path from the root, sharing
     their common prefix: ``(tokens, parents, depth)``, the chain's nodes first, in topological order."""
-    n, m = chain.shape[0], branch.shape[0]
-    same = 0
-    while same < min(n, m) and chain[same] == branch[same]:
-        same += 1
+    n = chain.shape[0]
+    same = shared_prefix(chain, branch)
     extra = branch[same:].astype(np.int64)
     k = extra.shape[0]
     parents = np.concatenate([np.arange(-1, n - 1), np.arange(n - 1, n + k - 1)]).astype(np.int64)
@@ -122,11 +128,29 @@ def lookup_positions(
     accepted, ngram, chain = (np.zeros(t_out, dtype=np.int64) for _ in range(3))
     for t in range(t_out):
         n, draft = find_match(ctx[: p + t], depth, max_ngram, min_ngram)
-        truth = ctx[p + t : p + t + draft.shape[0]]
-        same = draft[: truth.shape[0]] == truth
-        ngram[t], chain[t] = n, draft.shape[0]
-        accepted[t] = same.shape[0] if same.all() else int(np.argmin(same))
+        ngram[t], chain[t], accepted[t] = n, draft.shape[0], shared_prefix(draft, ctx[p + t :])
     return accepted, ngram, chain
+
+
+def branch_positions(
+    prompt: Sequence[int], out: Sequence[int], table: PhraseTable, length: int, depth: int,
+    max_ngram: int = 3, min_ngram: int = 1,
+) -> np.ndarray:
+    """The phrase table's branch at every output position, beside prompt lookup's chain of up to ``depth``.
+
+    Returns (T, 3) int: per position t, the branch's leading tokens equal to the output from t on,
+    its length (at most ``length``), and the prefix it shares with the chain (``find_match``'s, up to
+    ``depth`` tokens). A chain cut to k tokens shares ``min(shared, k)`` of them, so the branch adds
+    ``length - min(shared, k)`` nodes to a tree of that chain (``with_branch``).
+    """
+    ctx = np.asarray([*prompt, *out], dtype=np.int64)
+    p, t_out = len(prompt), len(out)
+    rows = np.zeros((t_out, 3), dtype=np.int64)
+    for t in range(t_out):
+        branch = table.chain(ctx[: p + t], length)
+        _, chain = find_match(ctx[: p + t], depth, max_ngram, min_ngram)
+        rows[t] = shared_prefix(branch, ctx[p + t :]), branch.shape[0], shared_prefix(branch, chain)
+    return rows
 
 
 class PromptLookupDrafter:
@@ -198,6 +222,12 @@ class PromptLookupDrafter:
         pass
 
     def replay(self, prompt: Sequence[int], out: Sequence[int], tree: TreeConfig, features: Features | None = None) -> Replay:
-        """Chains of up to the tree's depth at every output position (``lookup_positions``); the
+        """Chains of up to the tree's depth at every output position (``lookup_positions``), and the
+        phrase table's branch beside them (``branch_positions``) when the drafter has a table; the
         per-match lengths (``ngram_depths``) are left to the replay, which knows each match's length."""
-        return Replay(*lookup_positions(prompt, out, tree.max_depth, self.max_ngram, self.min_ngram))
+        accepted, ngram, chain = lookup_positions(prompt, out, tree.max_depth, self.max_ngram, self.min_ngram)
+        branch = None
+        if self.phrases is not None and self.phrase_length:  # the labels are greedy: the branch is drafted
+            branch = branch_positions(prompt, out, self.phrases, self.phrase_length, tree.max_depth,
+                                      self.max_ngram, self.min_ngram)
+        return Replay(accepted, ngram, chain, branch)

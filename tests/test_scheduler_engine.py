@@ -164,6 +164,44 @@ def test_position_labels_replay_the_engines_own_steps(models, active, depths, ng
     assert np.diff([*walked.starts, len(run.tokens)]).tolist() == run.accept_lengths
 
 
+@pytest.mark.parametrize("depths, ngram_depths", [((0, 0, 0, 5), ()), ((0, 0, 0, 2), ()), ((0, 0, 0, 5), (1, 3, 5)),
+                                                 ((3, 0, 0, 1), ())])
+def test_labels_count_the_phrase_tables_branch_as_the_engine_drafts_it(models, depths, ngram_depths):
+    """With the LLM's phrase table, prompt lookup's greedy trees hold the table's branch; the labels
+    replay what it accepts and the nodes it adds beside each chain length, so the walk gives exactly
+    the engine's steps, accepted lengths and lookup nodes (fp32 greedy), and fewer steps than the same
+    labels without the branch."""
+    from dataclasses import replace
+
+    from boosttune.serving.phrases import build_phrases
+
+    llm, ssms = models
+    widths = (1, 2, 1)
+    prompt = [3, 4, 5, 6, 3, 4, 5, 9, 3, 4]
+    stop = StopCriteria(max_new_tokens=30)
+    plain = incremental_generate(llm, prompt, stop).tokens
+    table = build_phrases([[*prompt, *plain]], llm.get_output_embeddings().weight.shape[0])  # the LLM's own text
+    eng = engine_from_models(llm, ssms, TreeConfig(widths=widths), lookup=5, phrases=table)
+    spec = FeatureSpec(hidden_size=llm.config.hidden_size, ngram_buckets=4, lookup=True)
+    record = label_request(eng, "p", prompt, stop, chat=False, spec=spec)
+    assert record.branch is not None and record.branch.shape == (len(plain), 3)
+    assert (record.branch[:, 0] > 0).any(), "the branch is never right: the comparison would be trivial"
+    names = list(eng.drafters)
+    trees = {names[j]: TreeConfig(widths=widths[: depths[j]]) for j in range(3) if depths[j]}
+    trees[LOOKUP_NAME] = lookup_tree(depths[3], ngram_depths)
+    run = eng.generate(prompt, stop, plan=Plan(trees), record=True)
+    assert run.tokens == plain
+    walked = walk(record.labels(), depths, lookup=3, ngram_depths=ngram_depths)
+    assert walked.steps == run.steps
+    assert np.diff([*walked.starts, len(run.tokens)]).tolist() == run.accept_lengths
+    if not any(depths[:3]):  # lookup alone: its nodes are the tree's
+        assert walked.lookup_nodes.tolist() == [r.nodes for r in run.records]
+    bare = walk(replace(record.labels(), branch=None), depths, lookup=3, ngram_depths=ngram_depths)
+    assert bare.steps > walked.steps
+    again = type(record).from_json(record.to_json(), 4)  # the branch survives the labels file
+    assert np.array_equal(again.branch, record.branch)
+
+
 def noisy_oracle_head(llm, seed: int, noise: float = 0.6):
     """``oracle_head`` with noise on its layer: right often, not always."""
     head = oracle_head(llm)

@@ -45,6 +45,7 @@ class RequestRecord:
         ngram: (T,) prompt lookup's matched n-gram length per position (None: always a match of
             ``MAX_NGRAM`` tokens, for labels made up in tests).
         chain: (T,) tokens prompt lookup's chain holds per position (None: the label depth).
+        branch: (T, 3) prompt lookup's phrase-table branch per position (``walk.Labels``; None: no table).
         result: the engine's result (timings per step), not serialized.
     """
 
@@ -57,6 +58,7 @@ class RequestRecord:
     lookup: int = -1
     ngram: np.ndarray | None = None
     chain: np.ndarray | None = None
+    branch: np.ndarray | None = None
     result: GenerationResult | None = None
 
     @property
@@ -69,7 +71,7 @@ class RequestRecord:
         depth = int(self.accepts.max()) if self.accepts.size else 0
         ngram = self.ngram if self.ngram is not None else np.full(t, MAX_NGRAM, dtype=np.int64)
         chain = self.chain if self.chain is not None else np.full(t, max(depth, 1), dtype=np.int64)
-        return Labels(self.accepts, ngram, chain)
+        return Labels(self.accepts, ngram, chain, self.branch)
 
     def to_json(self) -> dict:
         out = {
@@ -84,6 +86,8 @@ class RequestRecord:
         }
         if self.ngram is not None and self.chain is not None:
             out.update(ngram=self.ngram.tolist(), chain=self.chain.tolist())
+        if self.branch is not None:
+            out["branch"] = self.branch.tolist()
         return out
 
     @classmethod
@@ -92,6 +96,8 @@ class RequestRecord:
             raise ValueError("labels written before per-position labels (per step of one run); relabel them")
         accepts = np.asarray(obj["accepts"], dtype=np.int64).reshape(-1, n_ssms)
         arrays = {k: np.asarray(obj[k], dtype=np.int64) for k in ("ngram", "chain") if k in obj}
+        if "branch" in obj:
+            arrays["branch"] = np.asarray(obj["branch"], dtype=np.int64).reshape(-1, 3)
         return cls(
             id=str(obj["id"]),
             features=RequestFeatures.from_json(obj["features"]),
@@ -120,7 +126,7 @@ def label_request(
         return None  # the default plan
 
     res = engine.generate(ids, stop, planner=capture, record=True)
-    columns, lookup, ngram, chain = [], -1, None, None
+    columns, lookup, ngram, chain, branch = [], -1, None, None, None
     cached: list[torch.Tensor] = []  # the LLM's features over the request: one forward, on demand
 
     def features() -> torch.Tensor:
@@ -137,7 +143,7 @@ def label_request(
         if replay.ngram is not None:  # prompt lookup: its draft depends on the match at each position
             if lookup >= 0:
                 raise ValueError(f"labels take one prompt-lookup drafter; the plan has more ({res.active})")
-            lookup, ngram, chain = j, replay.ngram, replay.chain
+            lookup, ngram, chain, branch = j, replay.ngram, replay.chain, replay.branch
         columns.append(replay.accepted)
     accepts = np.stack(columns, axis=1) if columns else np.zeros((len(res.tokens), 0), dtype=np.int64)
     return RequestRecord(
@@ -150,6 +156,7 @@ def label_request(
         lookup=lookup,
         ngram=ngram,
         chain=chain,
+        branch=branch,
         result=res,
     )
 

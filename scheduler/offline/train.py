@@ -38,7 +38,14 @@ import torch
 from boosttune.assemble import engine_from_models
 from boosttune.config import SchedulerConfig
 from boosttune.core.files import MARKER, atomic_write_json, atomic_write_text, is_complete, mark_complete
-from boosttune.core.models import LoadedModel, eos_token_ids, load_llm_and_ssms, load_ssms, parse_dtype
+from boosttune.core.models import (
+    LoadedModel,
+    eos_token_ids,
+    load_llm_and_ssms,
+    load_ssms,
+    model_vocab_size,
+    parse_dtype,
+)
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.core.rundir import RunDir
 from boosttune.scheduler.calibrate import calibrate
@@ -63,6 +70,7 @@ from boosttune.scheduler.subsets import members, union_survival
 from boosttune.serving.draft_vocab import load_ranking
 from boosttune.serving.engine import Plan, SpeculativeEngine
 from boosttune.serving.lookup import LOOKUP_NAME
+from boosttune.serving.phrases import load_phrases
 from boosttune.serving.stops import StopCriteria
 from boosttune.serving.tree import TreeConfig
 
@@ -215,8 +223,11 @@ def _setup(run: RunDir, cfg: SchedulerConfig, models: RunModels) -> _Setup:
         ranking = load_ranking(run.draft_vocab_path)
     label_tree = TreeConfig(widths=widths[: cfg.label_depth], draft_vocab=cfg.draft_vocab)
     lookup = cfg.label_depth if cfg.prompt_lookup else 0
+    # prompt lookup drafts the run's phrase table as the bundle will serve it (export ships the table)
+    phrases = (load_phrases(run.phrases_path, model_vocab_size(llm.model))
+               if lookup and run.phrases_path.is_file() else None)
     named = {path.name: s.model for path, s in zip(ssm_paths, ssms, strict=True)}
-    engine = engine_from_models(llm.model, named, label_tree, ranking=ranking, lookup=lookup,
+    engine = engine_from_models(llm.model, named, label_tree, ranking=ranking, lookup=lookup, phrases=phrases,
                                 kinds={path.name: s.kind for path, s in zip(ssm_paths, ssms, strict=True)})
     hidden = int(llm.model.get_output_embeddings().weight.shape[1])
     def encoded_of(prompts: list) -> list[tuple[str, list[int]]]:

@@ -5,8 +5,9 @@ Shape legend: T generated tokens, N drafters, S steps of the replayed walk.
 A step that starts at position t with drafter j drafting to depth k_j accepts
 ``max_j min(accepted[t, j], k_j)`` tokens and commits one more (the LLM's own token), so the next
 step starts after them. Prompt lookup drafts ``min(k, chain[t])`` nodes, where k is its depth, or
-the per-match length ``ngram_depths[ngram[t] - 1]`` when the policy sets one (``lookup.chain_length``).
-The walk keeps, per step, how many nodes prompt lookup drafted (the verification cost depends on it)
+the per-match length ``ngram_depths[ngram[t] - 1]`` when the policy sets one (``lookup.chain_length``),
+plus the phrase table's branch where the labels have one: it accepts its own tokens and adds the nodes
+it does not share with the chain as cut (``lookup.branch_positions``). The walk keeps, per step, how many nodes prompt lookup drafted (the verification cost depends on it)
 and the seconds come from the measured cost model.
 """
 
@@ -30,11 +31,14 @@ class Labels:
             label depth; prompt lookup's is also capped by its chain).
         ngram: (T,) prompt lookup's matched n-gram length at t (0: no match; zeros without lookup).
         chain: (T,) tokens prompt lookup's chain holds at t (label depth at most).
+        branch: (T, 3) prompt lookup's phrase-table branch at t: accepted tokens, length, prefix shared
+            with the chain (None: no table).
     """
 
     accepted: np.ndarray
     ngram: np.ndarray
     chain: np.ndarray
+    branch: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,10 @@ def walk(
             k = chain_length(int(labels.ngram[t]), depths[lookup], tuple(ngram_depths))
             drafted = min(k, int(labels.chain[t]))
             got = max(got, min(int(acc[t, lookup]), drafted))
+            if labels.branch is not None:
+                b_acc, b_len, b_shared = (int(x) for x in labels.branch[t])
+                got = max(got, b_acc)
+                drafted += b_len - min(b_shared, drafted)
         nodes.append(drafted)
         t += got + 1
         steps += 1
