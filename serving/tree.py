@@ -233,13 +233,13 @@ class TreeConfig:
 
     @property
     def label(self) -> str:
-        """A short name for tables: the expansion widths ("3", "3,1"; a chain of n as "1x{n}", "+table"
-        when ``ngram_depths`` sets its length per match), or "dyn:topk,depth,budget"."""
+        """A short name for tables: the expansion widths ("3", "3,1"; a chain of n as "1x{n}", "+lengths"
+        when ``ngram_depths`` sets its length per match, not to be read as the phrase table), or "dyn:topk,depth,budget"."""
         if self.kind != "expansion":
             return f"dyn:{self.topk},{self.depth},{self.budget}"
         w = self.widths
         shape = f"1x{len(w)}" if len(w) > 1 and set(w) == {1} else ",".join(map(str, w))
-        return shape + ("+table" if self.ngram_depths else "")
+        return shape + ("+lengths" if self.ngram_depths else "")
 
 
 def select_frontier(cum_logq: Tensor, topk: int) -> Tensor:

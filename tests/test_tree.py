@@ -143,7 +143,7 @@ def test_tree_and_plan_labels_name_the_shape():
     from boosttune.serving.lookup import lookup_tree
 
     assert TreeConfig(widths=(3,)).label == "3" and TreeConfig(widths=(3, 1)).label == "3,1"
-    assert lookup_tree(4).label == "1x4" and lookup_tree(8, (0, 2, 5)).label == "1x8+table"
+    assert lookup_tree(4).label == "1x4" and lookup_tree(8, (0, 2, 5)).label == "1x8+lengths"
     assert TreeConfig(kind="dynamic", topk=4, depth=6, budget=32).label == "dyn:4,6,32"
     plan = Plan({"feature": TreeConfig(widths=(3,)), "prompt-lookup": lookup_tree(4)})
     assert plan.label == "feature[3] + prompt-lookup[1x4]" and Plan().label == "plain"
