@@ -48,7 +48,7 @@ class Replay:
         ngram: (O,) prompt lookup's matched n-gram length at t (0: no match); None for drafters
             whose draft does not depend on a match.
         chain: (O,) tokens prompt lookup's chain holds at t; None likewise.
-        branch: (O, 3) prompt lookup's phrase-table branch at t (``lookup.branch_positions``): its
+        branch: (O, 3) prompt lookup's phrase-table branch at t (``lookup.lookup_positions``): its
             tokens the LLM would have accepted, its length, and the prefix it shares with the chain
             of ``chain[t]`` tokens; None without a table.
     """

@@ -24,7 +24,7 @@ Given the LLM's phrase table (``phrases.py``), greedy trees hold a second branch
 ``phrases.CHAIN`` tokens the LLM most often writes after the newest two, sharing whatever prefix
 they have with the copied chain. Sampling drafts the copied chain alone (its q is one-hot, and a
 second deterministic sibling would need the verifier's residual over the first). The replay labels
-the branch too (``branch_positions``), so the scheduler's walk counts what it accepts and the nodes it
+the branch too (``lookup_positions``), so the scheduler's walk counts what it accepts and the nodes it
 adds, for every chain length it tries.
 """
 
@@ -114,43 +114,32 @@ def with_branch(chain: np.ndarray, branch: np.ndarray) -> tuple[np.ndarray, np.n
 
 
 def lookup_positions(
-    prompt: Sequence[int], out: Sequence[int], depth: int, max_ngram: int = 3, min_ngram: int = 1
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Prompt lookup at every output position, chains of up to ``depth`` tokens.
+    prompt: Sequence[int], out: Sequence[int], depth: int, max_ngram: int = 3, min_ngram: int = 1,
+    phrases: PhraseTable | None = None, phrase_length: int = 0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Prompt lookup at every output position, chains of up to ``depth`` tokens, and with ``phrases``
+    the table's branch of up to ``phrase_length`` tokens beside each chain (one search per position).
 
     Returns:
         accepted: (T,) leading chain tokens equal to the output from t on.
         ngram: (T,) length of the matched n-gram (0: no match, no draft).
         chain: (T,) tokens the chain holds (0 when no match).
+        branch: (T, 3) per position the branch's leading tokens equal to the output from t on, its
+            length, and the prefix it shares with the chain; None without ``phrases``. A chain cut to k
+            tokens shares ``min(shared, k)`` of them, so the branch adds ``length - min(shared, k)``
+            nodes to a tree of that chain (``with_branch``).
     """
     ctx = np.asarray([*prompt, *out], dtype=np.int64)
     p, t_out = len(prompt), len(out)
     accepted, ngram, chain = (np.zeros(t_out, dtype=np.int64) for _ in range(3))
+    branch = np.zeros((t_out, 3), dtype=np.int64) if phrases is not None and phrase_length else None
     for t in range(t_out):
         n, draft = find_match(ctx[: p + t], depth, max_ngram, min_ngram)
         ngram[t], chain[t], accepted[t] = n, draft.shape[0], shared_prefix(draft, ctx[p + t :])
-    return accepted, ngram, chain
-
-
-def branch_positions(
-    prompt: Sequence[int], out: Sequence[int], table: PhraseTable, length: int, depth: int,
-    max_ngram: int = 3, min_ngram: int = 1,
-) -> np.ndarray:
-    """The phrase table's branch at every output position, beside prompt lookup's chain of up to ``depth``.
-
-    Returns (T, 3) int: per position t, the branch's leading tokens equal to the output from t on,
-    its length (at most ``length``), and the prefix it shares with the chain (``find_match``'s, up to
-    ``depth`` tokens). A chain cut to k tokens shares ``min(shared, k)`` of them, so the branch adds
-    ``length - min(shared, k)`` nodes to a tree of that chain (``with_branch``).
-    """
-    ctx = np.asarray([*prompt, *out], dtype=np.int64)
-    p, t_out = len(prompt), len(out)
-    rows = np.zeros((t_out, 3), dtype=np.int64)
-    for t in range(t_out):
-        branch = table.chain(ctx[: p + t], length)
-        _, chain = find_match(ctx[: p + t], depth, max_ngram, min_ngram)
-        rows[t] = shared_prefix(branch, ctx[p + t :]), branch.shape[0], shared_prefix(branch, chain)
-    return rows
+        if branch is not None:
+            guess = phrases.chain(ctx[: p + t], phrase_length)  # type: ignore[union-attr]
+            branch[t] = shared_prefix(guess, ctx[p + t :]), guess.shape[0], shared_prefix(guess, draft)
+    return accepted, ngram, chain, branch
 
 
 class PromptLookupDrafter:
@@ -223,11 +212,8 @@ class PromptLookupDrafter:
 
     def replay(self, prompt: Sequence[int], out: Sequence[int], tree: TreeConfig, features: Features | None = None) -> Replay:
         """Chains of up to the tree's depth at every output position (``lookup_positions``), and the
-        phrase table's branch beside them (``branch_positions``) when the drafter has a table; the
+        phrase table's branch beside them when the drafter has a table; the
         per-match lengths (``ngram_depths``) are left to the replay, which knows each match's length."""
-        accepted, ngram, chain = lookup_positions(prompt, out, tree.max_depth, self.max_ngram, self.min_ngram)
-        branch = None
-        if self.phrases is not None and self.phrase_length:  # the labels are greedy: the branch is drafted
-            branch = branch_positions(prompt, out, self.phrases, self.phrase_length, tree.max_depth,
-                                      self.max_ngram, self.min_ngram)
+        accepted, ngram, chain, branch = lookup_positions(  # the labels are greedy: the branch is drafted
+            prompt, out, tree.max_depth, self.max_ngram, self.min_ngram, self.phrases, self.phrase_length)
         return Replay(accepted, ngram, chain, branch)

@@ -56,7 +56,7 @@ def test_lookup_positions_agree_with_the_drafter_search():
     for _ in range(20):
         prompt = rng.integers(0, 5, size=12).tolist()
         out = rng.integers(0, 5, size=15).tolist()
-        acc, ngram, chain = lookup_positions(prompt, out, depth=4)
+        acc, ngram, chain, _ = lookup_positions(prompt, out, depth=4)
         for t in range(len(out)):
             n, draft = find_match(np.array(prompt + out[:t]), 4)
             assert (ngram[t], chain[t]) == (n, len(draft))

@@ -93,7 +93,7 @@ def lookup_rank_rows(samples: Sequence) -> list[list[int]]:
     it covers a token at every ``k`` >= 1."""
     out = []
     for s in samples:
-        accepted, _, _ = lookup_positions(s.ids[: s.prompt_len], s.ids[s.prompt_len :], 1)
+        accepted, _, _, _ = lookup_positions(s.ids[: s.prompt_len], s.ids[s.prompt_len :], 1)
         out.append(np.where(accepted >= 1, 0, NOT_DRAFTABLE).tolist())
     return out
 

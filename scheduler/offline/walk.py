@@ -7,7 +7,7 @@ A step that starts at position t with drafter j drafting to depth k_j accepts
 step starts after them. Prompt lookup drafts ``min(k, chain[t])`` nodes, where k is its depth, or
 the per-match length ``ngram_depths[ngram[t] - 1]`` when the policy sets one (``lookup.chain_length``),
 plus the phrase table's branch where the labels have one: it accepts its own tokens and adds the nodes
-it does not share with the chain as cut (``lookup.branch_positions``). The walk keeps, per step, how
+it does not share with the chain as cut (``lookup.lookup_positions``). The walk keeps, per step, how
 many nodes prompt lookup drafted (the verification cost depends on it) and the seconds come from the
 measured cost model.
 """
