@@ -15,6 +15,12 @@ with ``--lookup``: one candidate, the first token it drafts at each position (``
 (``RUN/eagle3``, ``eagle3.enabled``) is scored too, at its first draft step over its own draft
 vocabulary, from the LLM's layer inputs (``eagle3_ranks``).
 
+``--trees W [W ...]`` (e.g. ``3 3,1 2,2,1``) also gives, per expansion tree shape, each SSM's
+teacher-forced greedy τ alone and the SSMs' τ merged (``train/coverage.py`` ``tree_taus``): one level caps
+a step at one drafted token, so coverage gained by an ensemble shows in τ more with deeper trees. Feature
+heads are left out there: their deeper levels read their own predicted features, which a teacher-forced
+pass does not have (``head_acceptance.py --second`` scores a head's two levels).
+
 The LLM writes its greedy answers (fp32) to the questions' first turns, or ``--answers`` reads them from
 a `boosttune bench` output (``DIR/<method>.jsonl``, matched by ``question_id``; the answer text is
 tokenised again, which can differ from the tokens generated where the text does not round-trip).
@@ -22,7 +28,7 @@ tokenised again, which can differ from the tokens generated where the text does 
 Usage:
     python scripts/coverage.py runs/demo-bundle --questions ../shared/data/mt_bench/question.jsonl
     python scripts/coverage.py runs/demo --questions ../shared/data/mt_bench/question.jsonl --limit 40 \\
-        [--top 3] [--answers bench/ours.jsonl] [--json coverage.json] [--lookup]
+        [--top 3] [--answers bench/ours.jsonl] [--json coverage.json] [--lookup] [--trees 3 3,1]
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from boosttune.serving.draft_vocab import head_ids, load_ranking
 from boosttune.serving.drafter import draft_ranks
 from boosttune.serving.lookup import LOOKUP_NAME
 from boosttune.train.batched_decode import decode_batch
-from boosttune.train.coverage import coverage_by_category, lookup_rank_rows
+from boosttune.train.coverage import coverage_by_category, lookup_rank_rows, tree_taus
 from boosttune.train.distill import Sample
 
 MODEL_KINDS = ("ssm", "feature")
@@ -160,6 +166,26 @@ def format_table(names: list[str], table: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def widths_arg(text: str) -> tuple[int, ...]:
+    """``"3,1"`` → (3, 1): an expansion tree's children per level, each >= 1."""
+    try:
+        widths = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--trees: {text!r} is not a comma-separated list of widths (e.g. 3,1)") from None
+    if not widths or min(widths) < 1:
+        raise argparse.ArgumentTypeError(f"--trees: {text!r} needs widths >= 1 (e.g. 3,1)")
+    return widths
+
+
+def trees_table(names: list[str], trees: dict[str, dict]) -> str:
+    """A markdown table: per tree shape, each SSM's τ alone, merged, and the merged τ's gain over the best."""
+    lines = [f"| tree | {' | '.join(names)} | merged | merged / best single |", "|---" * (len(names) + 3) + "|"]
+    for label, t in trees.items():
+        taus = " | ".join(f"{x:.3f}" for x in t["taus"])
+        lines.append(f"| {label} | {taus} | {t['merged']:.3f} | {1 + t['gain_over_best_single']:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("source", type=Path, help="a bundle directory or a `boosttune train` run directory")
@@ -173,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
     p.add_argument("--lookup", action="store_true", help="also score prompt lookup (its first drafted token) "
                    "and count it in the union")
+    p.add_argument("--trees", nargs="+", type=widths_arg, default=[], metavar="W",
+                   help="expansion tree shapes (e.g. 3 3,1 2,2,1): each SSM's teacher-forced τ alone and merged")
     args = p.parse_args(argv)
     if args.top < 0 or args.limit < 0 or args.max_new_tokens < 1:
         p.error("--top and --limit must be >= 0, --max-new-tokens >= 1")
@@ -195,11 +223,18 @@ def main(argv: list[str] | None = None) -> int:
         samples = [Sample(ids=prompt + tokens, prompt_len=len(prompt)) for prompt, tokens, _ in answers]
         ranks.append([np.asarray(r, dtype=np.int64) for r in lookup_rank_rows(samples)])
     table = coverage_by_category(ranks, categories, k)
+    ssms = [i for i, (_, m, _) in enumerate(drafters) if m.kind != "feature"]
+    if args.trees and not ssms:
+        p.error("--trees: no SSM among the drafters (feature heads are left out of it)")
+    trees = {",".join(map(str, w)): tree_taus([ranks[i] for i in ssms], w) for w in args.trees}
     print(f"{len(answers)} answers, {table['all']['tokens']} tokens, {len(names)} drafters, top-{k}")
     print(format_table(names, table))
+    if trees:
+        print(f"\nteacher-forced greedy τ by tree shape (SSMs only), {table['all']['tokens']} tokens")
+        print(trees_table([names[i] for i in ssms], trees))
     if args.json is not None:
         args.json.write_text(json.dumps({"source": str(args.source), "questions": str(args.questions), "k": k,
-                                         "drafters": names, "categories": table}, indent=2) + "\n")
+                                         "drafters": names, "categories": table, "trees": trees}, indent=2) + "\n")
     return 0
 
 

@@ -16,8 +16,10 @@ from boosttune.train.coverage import (
     remove_best_covered,
     sample_union_coverage,
     token_weights,
+    tree_taus,
     union_coverage,
     union_rank_rows,
+    walked_tau,
 )
 
 # Three drafters, six positions. With k = 2 (rank 0 or 1 covers):
@@ -98,6 +100,35 @@ def test_coverage_by_category_groups_answers() -> None:
     assert table["writing"]["topk"] == pytest.approx([1.0, 1.0]) and table["writing"]["union_gain"] == 0
 
 
+# Two SSMs, one answer of six tokens: A ranks the LLM's tokens 0 and 1 first, B tokens 3 and 4.
+#   One level of 1 (a step accepts token t when the drafter ranks it first):
+#     A accepts [1,1,0,0,0,0]: steps at 0 (2 tokens), 2, 3, 4, 5 -> 5 steps, τ 6/5
+#     B accepts [0,0,0,1,1,0]: steps at 0, 1, 2, 3 (2 tokens), 5 -> 5 steps, τ 6/5
+#     merged    [1,1,0,1,1,0]: steps at 0 (2), 2, 3 (2), 5 -> 4 steps, τ 6/4 (+25 %)
+#   Two levels of 1 (a chain of two):
+#     A accepts [2,1,0,0,0,0]: steps at 0 (3 tokens), 3, 4, 5 -> 4 steps, τ 6/4
+#     B accepts [0,0,0,2,1,0]: steps at 0, 1, 2, 3 (3 tokens) -> 4 steps, τ 6/4
+#     merged    [2,1,0,2,1,0]: steps at 0 (3), 3 (3) -> 2 steps, τ 3 (+100 %)
+TREE_RANKS = [[np.array([0, 0, 9, 9, 9, 9])], [np.array([9, 9, 9, 0, 0, 9])]]
+
+
+def test_walked_tau_counts_tokens_per_step_over_answers() -> None:
+    assert walked_tau([np.array([2, 1, 0, 0, 0, 0])]) == pytest.approx(6 / 4)
+    assert walked_tau([np.array([2, 1, 0]), np.array([0, 0])]) == pytest.approx(5 / 3)  # 1 step + 2 steps
+    assert walked_tau([]) == 1.0 and walked_tau([np.zeros(0, dtype=np.int64)]) == 1.0
+
+
+def test_merged_trees_accept_the_longest_path_any_drafter_holds() -> None:
+    one = tree_taus(TREE_RANKS, (1,))
+    assert one["taus"] == pytest.approx([6 / 5, 6 / 5]) and one["merged"] == pytest.approx(6 / 4)
+    assert one["gain_over_best_single"] == pytest.approx(0.25)
+    two = tree_taus(TREE_RANKS, (1, 1))
+    assert two["taus"] == pytest.approx([6 / 4, 6 / 4]) and two["merged"] == pytest.approx(3.0)
+    assert two["gain_over_best_single"] == pytest.approx(1.0)  # coverage adds up along the path
+    # NOT_DRAFTABLE is below no width: a token outside a drafter's vocabulary is never accepted
+    assert tree_taus([[np.array([NOT_DRAFTABLE, 0])]], (3,))["taus"] == pytest.approx([1.0])
+
+
 # ------------------------------------------------------------------------------ scripts/coverage.py
 def _coverage_script():
     return load_script("coverage")
@@ -137,8 +168,15 @@ def test_coverage_script_on_a_run_and_its_bundle(tmp_path, capsys) -> None:
     # --lookup: prompt lookup's one candidate scored too, and counted in the union
     out = tmp_path / "lookup.json"
     assert script.main([str(run), "--questions", str(MT_BENCH), "--limit", "4", "--max-new-tokens", "8",
-                        "--top", "2", "--lookup", "--json", str(out)]) == 0
+                        "--top", "2", "--lookup", "--trees", "2", "2,1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
     with_lookup = json.loads(out.read_text())
+    # --trees: the SSMs alone (prompt lookup has no ranks of a tree), merged at least as good as either
+    assert list(with_lookup["trees"]) == ["2", "2,1"] and "| 2,1 |" in text
+    for t in with_lookup["trees"].values():
+        assert len(t["taus"]) == 2 and min(t["taus"]) >= 1 and t["merged"] >= max(t["taus"])
+    with pytest.raises(SystemExit):
+        script.main([str(run), "--questions", str(MT_BENCH), "--trees", "0,1"])
     assert with_lookup["drafters"] == ["ssm-1", "ssm-2", "prompt-lookup"]
     both, alone = with_lookup["categories"]["all"], figures["run"]["categories"]["all"]
     assert both["topk"][:2] == alone["topk"] and both["union_topk"] >= alone["union_topk"]

@@ -18,6 +18,7 @@ import numpy as np
 
 from boosttune.core.ranks import NOT_DRAFTABLE
 from boosttune.serving.lookup import lookup_positions
+from boosttune.serving.tree import TreeConfig
 
 
 def _ranks(ranks) -> np.ndarray:
@@ -121,3 +122,40 @@ def coverage_by_category(ranks: Sequence[Sequence[np.ndarray]], categories: Sequ
                 for r in ranks]
         out[name] = {"answers": len(groups[name]), **coverage_summary(np.stack(flat), k)}
     return out
+
+
+def walked_tau(accepts: Sequence[np.ndarray]) -> float:
+    """Tokens per LLM step over answers decoded greedily: a step that starts at an answer's position t
+    commits the ``accepts[a][t]`` drafted tokens it accepts and the LLM's own next one, and the next step
+    starts after them (the scheduler's replay walks so too, with costs: ``scheduler/offline/walk.py``)."""
+    tokens = steps = 0
+    for acc in accepts:
+        t = 0
+        while t < len(acc):
+            t += int(acc[t]) + 1
+            steps += 1
+        tokens += len(acc)
+    return tokens / steps if steps else 1.0
+
+
+def tree_taus(ranks: Sequence[Sequence[np.ndarray]], widths: Sequence[int]) -> dict:
+    """Teacher-forced greedy τ of each drafter alone with an expansion tree of ``widths`` and of all of
+    them merged, for drafters that read only tokens (SSMs: a node on the true path at level l holds the
+    LLM's next token when the drafter ranks it below ``widths[l - 1]`` after the true prefix).
+
+    Merged trees share the root and whatever prefixes their drafters share, so a step accepts the
+    longest true path any one of them holds; deeper levels let the drafters' different coverage add up
+    over the path, where one level caps a step at one drafted token.
+
+    Args:
+        ranks: ``ranks[s][a]``: (len_a,) drafter ``s``'s ranks of answer ``a``'s tokens.
+        widths: children per node at each level.
+
+    Returns:
+        ``{"taus": [S floats], "merged": float, "gain_over_best_single": merged / max(taus) - 1}``.
+    """
+    tree = TreeConfig(widths=tuple(widths))
+    accepts = [[tree.policy.accepts(tree, np.asarray(r, dtype=np.int64)) for r in per] for per in ranks]
+    taus = [walked_tau(a) for a in accepts]
+    merged = walked_tau([np.max(np.stack(per), axis=0) for per in zip(*accepts, strict=True)])
+    return {"taus": taus, "merged": merged, "gain_over_best_single": merged / max(taus) - 1.0}
