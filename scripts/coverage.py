@@ -17,9 +17,10 @@ vocabulary, from the LLM's layer inputs (``eagle3_ranks``).
 
 ``--trees W [W ...]`` (e.g. ``3 3,1 2,2,1``) also gives, per expansion tree shape, each SSM's
 teacher-forced greedy τ alone and the SSMs' τ merged (``train/coverage.py`` ``tree_taus``): one level caps
-a step at one drafted token, so coverage gained by an ensemble shows in τ more with deeper trees. Feature
-heads are left out there: their deeper levels read their own predicted features, which a teacher-forced
-pass does not have (``head_acceptance.py --second`` scores a head's two levels).
+a step at one drafted token, so coverage gained by an ensemble shows in τ more with deeper trees. SSMs only:
+a feature head's deeper levels read its own predicted features, which a teacher-forced pass does not have
+(``head_acceptance.py --second`` scores a head's two levels), and prompt lookup and an EAGLE-3 head are
+left out too.
 
 The LLM writes its greedy answers (fp32) to the questions' first turns, or ``--answers`` reads them from
 a `boosttune bench` output (``DIR/<method>.jsonl``, matched by ``question_id``; the answer text is
@@ -207,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     llm, drafters, width = load_drafters(args.source, args.llm)
     if not drafters:
         p.error(f"{args.source}: no drafter with a model ({', '.join(MODEL_KINDS)})")
+    ssms = [i for i, (_, m, _) in enumerate(drafters) if m.kind != "feature"]
+    if args.trees and not ssms:  # before the LLM writes its answers
+        p.error(f"--trees: {args.source} has no SSM (feature heads are left out of it)")
     k = args.top or width
     questions = read_prompts(args.questions)[: args.limit or None]
     answers = [a for a in llm_answers(llm, questions, args.max_new_tokens, args.answers, args.batch_size)]
@@ -223,9 +227,6 @@ def main(argv: list[str] | None = None) -> int:
         samples = [Sample(ids=prompt + tokens, prompt_len=len(prompt)) for prompt, tokens, _ in answers]
         ranks.append([np.asarray(r, dtype=np.int64) for r in lookup_rank_rows(samples)])
     table = coverage_by_category(ranks, categories, k)
-    ssms = [i for i, (_, m, _) in enumerate(drafters) if m.kind != "feature"]
-    if args.trees and not ssms:
-        p.error("--trees: no SSM among the drafters (feature heads are left out of it)")
     trees = {",".join(map(str, w)): tree_taus([ranks[i] for i in ssms], w) for w in args.trees}
     print(f"{len(answers)} answers, {table['all']['tokens']} tokens, {len(names)} drafters, top-{k}")
     print(format_table(names, table))
