@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from boosttune.core.ranks import NOT_DRAFTABLE
+from boosttune.scheduler.offline.walk import Labels, walk
 from boosttune.serving.lookup import lookup_positions
 from boosttune.serving.tree import TreeConfig
 
@@ -124,17 +125,23 @@ def coverage_by_category(ranks: Sequence[Sequence[np.ndarray]], categories: Sequ
     return out
 
 
-def walked_tau(accepts: Sequence[np.ndarray]) -> float:
-    """Tokens per LLM step over answers decoded greedily: a step that starts at an answer's position t
-    commits the ``accepts[a][t]`` drafted tokens it accepts and the LLM's own next one, and the next step
-    starts after them (the scheduler's replay walks so too, with costs: ``scheduler/offline/walk.py``)."""
+def walked_tau(accepts: Sequence[np.ndarray], depths: Sequence[int] | None = None) -> float:
+    """Tokens per LLM step over answers decoded greedily, walked as the scheduler's replay walks them
+    (``scheduler/offline/walk.py``): a step that starts at an answer's position t commits the drafted
+    tokens it accepts and the LLM's own next one, and the next step starts after them.
+
+    Args:
+        accepts: per answer, (T,) or (T, S) tokens each drafter would have had accepted at t.
+        depths: per drafter, how deep it drafts (0: not at all); None: every drafter, to any depth.
+    """
+    cols = [a if a.ndim == 2 else a[:, None] for a in (np.asarray(x, dtype=np.int64) for x in accepts)]
     tokens = steps = 0
-    for acc in accepts:
-        t = 0
-        while t < len(acc):
-            t += int(acc[t]) + 1
-            steps += 1
-        tokens += len(acc)
+    for acc in cols:
+        n = acc.shape[0]
+        deep = list(depths) if depths is not None else [int(acc.max(initial=0)) + 1] * acc.shape[1]
+        zeros = np.zeros(n, dtype=np.int64)
+        steps += walk(Labels(acc, zeros, zeros), deep).steps
+        tokens += n
     return tokens / steps if steps else 1.0
 
 
@@ -155,7 +162,9 @@ def tree_taus(ranks: Sequence[Sequence[np.ndarray]], widths: Sequence[int]) -> d
         ``{"taus": [S floats], "merged": float, "gain_over_best_single": merged / max(taus) - 1}``.
     """
     tree = TreeConfig(widths=tuple(widths))
-    accepts = [[tree.policy.accepts(tree, np.asarray(r, dtype=np.int64)) for r in per] for per in ranks]
-    taus = [walked_tau(a) for a in accepts]
-    merged = walked_tau([np.max(np.stack(per), axis=0) for per in zip(*accepts, strict=True)])
+    accepts = [np.stack([tree.policy.accepts(tree, np.asarray(r, dtype=np.int64)) for r in per], axis=1)
+               for per in zip(*ranks, strict=True)]  # per answer, (T, S)
+    d, n = len(tree.widths), len(ranks)
+    taus = [walked_tau(accepts, [d if i == j else 0 for i in range(n)]) for j in range(n)]
+    merged = walked_tau(accepts, [d] * n)
     return {"taus": taus, "merged": merged, "gain_over_best_single": merged / max(taus) - 1.0}
