@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import torch
 
 from boosttune.core.feature_head import teacher_forced_ranks
 from boosttune.core.models import eos_token_ids, load_llm_and_ssms, model_vocab_size
 from boosttune.core.prompts import encode_prompt, read_prompts
 from boosttune.core.ranks import NOT_DRAFTABLE
+from boosttune.scheduler.offline.walk import Labels, walk
 from boosttune.serving.draft_vocab import head_ids, ranking_for
 from boosttune.serving.drafter import draft_ranks
 from boosttune.train.batched_decode import decode_batch
@@ -45,12 +47,12 @@ from boosttune.train.batched_decode import decode_batch
 def walked_steps(hits: list[bool], hits2: list[bool] | None = None) -> int:
     """LLM steps after the prefill to commit an answer: a step starting at answer token i commits it,
     plus the next one when the head's first-level children held token i (``hits[i]``), plus the one
-    after that when the child holding token i also held token i + 1 among its own (``hits2[i]``)."""
-    pos, steps = 0, 0
-    while pos < len(hits):
-        steps += 1
-        pos += 1 + hits[pos] + (hits[pos] and hits2 is not None and hits2[pos])
-    return steps
+    after that when the child holding token i also held token i + 1 among its own (``hits2[i]``).
+    The scheduler's replay walks it (``scheduler/offline/walk.py``), the head as one drafter of depth 2."""
+    one = np.asarray(hits, dtype=np.int64)
+    two = one & np.asarray(hits2, dtype=np.int64) if hits2 is not None else np.zeros_like(one)
+    zeros = np.zeros(len(one), dtype=np.int64)
+    return walk(Labels((one + two)[:, None], zeros, zeros), [2]).steps
 
 
 def head_hits(head, features: torch.Tensor, ids: list[int], prompt_len: int, rows: torch.Tensor, top: int,

@@ -320,3 +320,42 @@ def test_coverage_script_scores_a_runs_eagle3_head(tmp_path, capsys) -> None:
     s = figures["categories"]["all"]
     assert 0 <= s["top1"][1] <= s["topk"][1] <= s["union_topk"] <= 1
     assert "| all | eagle3 |" in capsys.readouterr().out
+
+
+def test_coverage_script_refuses_trees_without_ssms_before_the_llm_answers(tmp_path, capsys, monkeypatch) -> None:
+    """A run whose only drafter is a feature head: ``--trees`` (SSMs only) stops with a usage error
+    naming the run, before any answer is written; without ``--trees`` the head is scored."""
+    import json
+
+    from bundle_fixtures import make_run_dir
+    from conftest import MT_BENCH
+
+    from boosttune.core.feature_head import save_head
+    from boosttune.core.files import mark_complete
+    from boosttune.core.models import load_model
+    from boosttune.core.rundir import RunDir
+    from boosttune.train.feature import build_head
+
+    torch.set_num_threads(1)
+    run = make_run_dir(tmp_path / "run", n_ssms=0, scheduler=False)
+    llm = load_model(json.loads((run / "report.json").read_text())["llm"]["ref"])
+    head_dir = RunDir(run).feature_dir
+    save_head(build_head(llm.model, [-1]), head_dir)
+    llm.tokenizer.save_pretrained(head_dir)
+    mark_complete(head_dir)
+    script = _coverage_script()
+    writes = script.llm_answers
+
+    def no_answers(*args, **kwargs):
+        raise AssertionError("the LLM wrote answers before the refusal")
+
+    monkeypatch.setattr(script, "llm_answers", no_answers)
+    with pytest.raises(SystemExit) as stop:
+        script.main([str(run), "--questions", str(MT_BENCH), "--limit", "2", "--trees", "2"])
+    assert stop.value.code == 2
+    assert "has no SSM" in capsys.readouterr().err
+    monkeypatch.setattr(script, "llm_answers", writes)
+    out = tmp_path / "cov.json"
+    assert script.main([str(run), "--questions", str(MT_BENCH), "--limit", "2", "--max-new-tokens", "8",
+                        "--top", "2", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["drafters"] == ["feature"]
