@@ -25,8 +25,8 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from boosttune.core.device import resolve_device
-from boosttune.core.models import LoadedModel, load_llm_and_ssms
-from boosttune.core.rundir import SCHEDULER_FILE, ssm_name
+from boosttune.core.models import LoadedModel, load_llm_and_ssms, model_vocab_size
+from boosttune.core.rundir import PHRASES, SCHEDULER_FILE, ssm_name
 from boosttune.scheduler.policy import Candidate, Scheduler
 from boosttune.serving.bundle import LoadedBundle, load_bundle
 from boosttune.serving.draft_vocab import ranking_for
@@ -35,7 +35,7 @@ from boosttune.serving.engine import GenerationResult, Plan, Planner, Speculativ
 from boosttune.serving.kinds import PromptLookupKind, SSMKind, kind
 from boosttune.serving.lean import llm_runner
 from boosttune.serving.lookup import LOOKUP_NAME, lookup_tree
-from boosttune.serving.phrases import PhraseTable
+from boosttune.serving.phrases import PhraseTable, load_phrases
 from boosttune.serving.sampling import SamplingParams
 from boosttune.serving.stacked import stack_reason, stacked_drafters
 from boosttune.serving.stops import StopCriteria
@@ -295,18 +295,35 @@ def stacks(mode: str, models: Sequence[PreTrainedModel]) -> bool:
 def from_refs(
     llm: str, ssms: Sequence[str], tree: TreeConfig, *, dtype: str = "fp32", ssm_dtype: str | None = None,
     draft_ranking: str | None = None, lookup: int = 0, device: str | torch.device = "cpu", stack_ssms: str = "auto",
+    phrases: str | Path | None = None,
 ) -> Served:
     """Models named on the command line (``default``, a directory or a hub id), the SSMs as ssm-1 ..,
     each of the kind its directory declares, all on ``device``; ``draft_ranking``: the ranking for
-    ``tree.draft_vocab`` > 0 (None: found next to the first SSM); ``stack_ssms``: ``stacks``' mode."""
+    ``tree.draft_vocab`` > 0 (None: found next to the first SSM); ``stack_ssms``: ``stacks``' mode;
+    ``phrases``: prompt lookup's phrase table (``phrases_file``), checked against the LLM's vocabulary."""
     device = resolve_device(device)
-    ranking = ranking_for(tree.draft_vocab, draft_ranking, ssms)  # before any model loads
+    table_path = phrases_file(phrases, lookup) if phrases is not None else None  # before any model loads
+    ranking = ranking_for(tree.draft_vocab, draft_ranking, ssms)
     loaded_llm, loaded = load_llm_and_ssms(llm, list(ssms), dtype, ssm_dtype or dtype, device=device)
+    table = load_phrases(table_path, model_vocab_size(loaded_llm.model)) if table_path is not None else None
     named = dict(zip(ssm_names(len(loaded)), loaded, strict=True))
     engine = engine_from_models(loaded_llm.model, {n: s.model for n, s in named.items()}, tree, ranking, lookup,
-                                kinds={n: s.kind for n, s in named.items()},
+                                kinds={n: s.kind for n, s in named.items()}, phrases=table,
                                 stack_ssms=stacks(stack_ssms, [s.model for s in named.values()]))
     return Served(engine, loaded_llm, named, ranking)
+
+
+def phrases_file(ref: str | Path, lookup: int) -> Path:
+    """The phrase table ``--phrases`` names: a ``phrases.safetensors`` file or the run directory (or
+    bundle) holding one; refused unless prompt lookup drafts (``lookup`` > 0), which is what uses it."""
+    if lookup <= 0:
+        raise ValueError("--phrases: the phrase table is a branch of prompt lookup's trees; pass --prompt-lookup N too")
+    path = Path(ref)
+    if path.is_dir():
+        path = path / PHRASES
+    if not path.is_file():
+        raise ValueError(f"--phrases: no phrase table at {path} (a run's or a bundle's {PHRASES}, or its directory)")
+    return path
 
 
 def load_scheduler(bundle: LoadedBundle) -> Scheduler | None:
@@ -363,7 +380,7 @@ def load(
     *, bundle: str | Path | None = None, llm: str | None = None, ssms: Sequence[str] = (), dtype: str = "fp32",
     ssm_dtype: str | None = None, tree: TreeConfig | None = None, draft_ranking: str | None = None,
     lookup: int | None = None, use_scheduler: bool = True, device: str | torch.device = "cpu", stack_ssms: str = "auto",
-    phrases: bool = True,
+    phrases: bool | str | Path = True,
 ) -> Served:
     """Load and assemble what a command decodes with (`boosttune generate` and `bench`).
 
@@ -381,14 +398,18 @@ def load(
         use_scheduler: plan requests with the bundle's learned scheduler, if it has one.
         device: where the models run (``core/device.py``), checked before anything loads.
         stack_ssms: "auto", "on" or "off": whether the SSMs draft stacked (``stacks``).
-        phrases: with a bundle, prompt lookup drafts with its phrase table too, if it has one.
+        phrases: with a bundle, prompt lookup drafts with its phrase table too, if it has one; without
+            one, the phrase table's file or directory (``phrases_file``; True: none).
     """
     device = resolve_device(device)
     if lookup is not None and lookup < 0:
         raise ValueError(f"--prompt-lookup must be >= 0 (0 = off), got {lookup}")
     if bundle is None:
         return from_refs(llm or "default", ssms, tree or TreeConfig(), dtype=dtype, ssm_dtype=ssm_dtype,
-                         draft_ranking=draft_ranking, lookup=lookup or 0, device=device, stack_ssms=stack_ssms)
+                         draft_ranking=draft_ranking, lookup=lookup or 0, device=device, stack_ssms=stack_ssms,
+                         phrases=None if isinstance(phrases, bool) else phrases)
+    if not isinstance(phrases, bool):
+        raise ValueError("--phrases names a phrase table for --llm/--ssm; a bundle brings its own (--no-phrases: without it)")
     if ssms:
         raise ValueError("--ssm cannot be combined with a bundle: the bundle's SSMs are used")
     loaded = load_bundle(bundle, llm=llm, dtype=dtype, ssm_dtype=ssm_dtype or dtype, device=device)

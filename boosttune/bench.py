@@ -92,7 +92,8 @@ class BenchConfig:
             read from ``recost_cache``); the commands set it
             with --quantize unless told otherwise (``flags.wants_recost``).
         stack_ssms: "auto", "on" or "off": whether the SSMs draft stacked (``assemble.stacks``).
-        phrases: with ``bundle``, prompt lookup drafts with its phrase table too (``serving/phrases.py``).
+        phrases: with ``bundle``, prompt lookup drafts with its phrase table too (``serving/phrases.py``);
+            without one, the phrase table's file or run directory (``assemble.phrases_file``; True: none).
     """
 
     questions: str
@@ -101,7 +102,7 @@ class BenchConfig:
     ssms: list[str] = field(default_factory=list)
     bundle: str | None = None
     use_scheduler: bool = True
-    phrases: bool = True
+    phrases: bool | str = True
     limit: int = 0
     max_new_tokens: int = 128
     dtype: str = "fp32"

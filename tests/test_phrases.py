@@ -148,3 +148,49 @@ def test_the_bundle_ships_the_run_table_and_serves_it_unless_told(tmp_path):
     (out / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(BundleError, match="phrases.safetensors: .*another vocabulary"):
         load_bundle(out)
+
+
+def test_named_models_take_a_phrase_table_by_path_and_bad_ones_are_refused_before_loading(tmp_path, capsys):
+    """``--phrases`` with --llm/--ssm: the run's table (a file or its directory) joins prompt lookup, its
+    branch gets accepted, and the output stays plain decoding's; without --prompt-lookup, at a missing
+    path, beside a bundle, or for another vocabulary it is refused with the flag's name."""
+    from boosttune.assemble import load
+    from boosttune.cli import main
+    from boosttune.core.models import TINY_LLM
+    from boosttune.core.rundir import RunDir
+
+    run = make_run_dir(tmp_path / "run", n_ssms=1, scheduler=False, ranking=False)
+    ssm = str(RunDir(run).ssm_dir(1))
+    plain = load(llm=TINY_LLM, ssms=[ssm], lookup=4)
+    ids = plain.llm.tokenizer("the cat sat on the mat")["input_ids"]
+    stop = StopCriteria(max_new_tokens=16)
+    ref = incremental_generate(plain.llm.model, ids, stop).tokens
+    v = plain.llm.model.get_output_embeddings().weight.shape[0]
+    save_phrases(RunDir(run).phrases_path, build_phrases([ids + ref], v))
+    without = plain.engine.generate(ids, stop)
+    for ref_path in (run, RunDir(run).phrases_path):
+        served = load(llm=TINY_LLM, ssms=[ssm], lookup=4, phrases=ref_path)
+        assert served.phrases and not plain.phrases
+        out = served.engine.generate(ids, stop)
+        assert out.tokens == ref == without.tokens
+        assert out.proposer_hits[LOOKUP_NAME] > without.proposer_hits[LOOKUP_NAME]
+    with pytest.raises(ValueError, match="--phrases: .*--prompt-lookup"):
+        load(llm=TINY_LLM, ssms=[ssm], phrases=run)
+    with pytest.raises(ValueError, match="--phrases: no phrase table at"):
+        load(llm=TINY_LLM, ssms=[ssm], lookup=4, phrases=tmp_path / "nowhere")
+    other = tmp_path / "other.safetensors"
+    save_phrases(other, build_phrases([[1, 2, 3]], 7))
+    with pytest.raises(ValueError, match="another vocabulary"):
+        load(llm=TINY_LLM, ssms=[ssm], lookup=4, phrases=other)
+    from boosttune.export.bundle import export_bundle
+
+    bundle = export_bundle(run, tmp_path / "bundle", prompt_lookup=4).bundle
+    with pytest.raises(ValueError, match="--phrases .*a bundle brings its own"):
+        load(bundle=bundle, phrases=run)
+    # the command line: the flag reaches the engine, and its refusal is one line naming it
+    args = ["generate", "--llm", TINY_LLM, "--ssm", ssm, "the cat sat on the mat", "--max-new-tokens", "8",
+            "--prompt-lookup", "4"]
+    assert main([*args, "--phrases", str(run)]) == 0
+    capsys.readouterr()
+    assert main([*args[:-2], "--phrases", str(run)]) == 2
+    assert "--phrases" in capsys.readouterr().err

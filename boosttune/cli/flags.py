@@ -195,6 +195,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the token ranking for --draft-vocab (draft_vocab.json or its run directory; default: "
                         "the bundle's, or found next to the first --ssm or in its run directory)")
     add_prompt_lookup_arg(p, default="the bundle's, else off")
+    p.add_argument("--phrases", default=None, metavar="PATH",
+                   help="with --llm/--ssm and --prompt-lookup: prompt lookup drafts with this phrase table too (a "
+                        "run's phrases.safetensors or its run directory; the LLM's most frequent next token after "
+                        "two, a second branch of greedy trees: serving/phrases.py); a bundle brings its own")
     add_stack_ssms_arg(p)
 
 
@@ -244,6 +248,11 @@ def tree_override(args: argparse.Namespace) -> TreeConfig | None:
         raise ValueError(f"{flags}: {e}") from None
 
 
+def phrases_arg(args: argparse.Namespace) -> bool | str:
+    """``assemble.load``'s ``phrases``: the table --phrases names, else whether a bundle's is used."""
+    return args.phrases if args.phrases is not None else not args.no_phrases
+
+
 def assemble_from_args(args: argparse.Namespace) -> Served:
     """The engine the flags ask for (``assemble.load``): a bundle's or the named models'."""
     from boosttune import assemble
@@ -252,7 +261,7 @@ def assemble_from_args(args: argparse.Namespace) -> Served:
         bundle=args.bundle, llm=args.llm, ssms=ssm_refs(args), dtype=args.dtype, ssm_dtype=args.ssm_dtype,
         tree=tree_override(args), draft_ranking=args.draft_ranking, lookup=args.prompt_lookup,
         use_scheduler=not args.no_scheduler, device=args.device, stack_ssms=args.stack_ssms,
-        phrases=not args.no_phrases,
+        phrases=phrases_arg(args),
     )
     if args.quantize:
         assemble.quantize_served(served.engine, args.quantize)
