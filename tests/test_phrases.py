@@ -194,3 +194,5 @@ def test_named_models_take_a_phrase_table_by_path_and_bad_ones_are_refused_befor
     capsys.readouterr()
     assert main([*args[:-2], "--phrases", str(run)]) == 2
     assert "--phrases" in capsys.readouterr().err
+    assert main([*args, "--phrases", str(run), "--no-phrases"]) == 2
+    assert "--phrases and --no-phrases" in capsys.readouterr().err

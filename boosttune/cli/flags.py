@@ -250,6 +250,8 @@ def tree_override(args: argparse.Namespace) -> TreeConfig | None:
 
 def phrases_arg(args: argparse.Namespace) -> bool | str:
     """``assemble.load``'s ``phrases``: the table --phrases names, else whether a bundle's is used."""
+    if args.phrases is not None and args.no_phrases:
+        raise ValueError("--phrases and --no-phrases: pass one (--phrases names a table, --no-phrases drafts without one)")
     return args.phrases if args.phrases is not None else not args.no_phrases
 
 
