@@ -380,7 +380,7 @@ def load(
     *, bundle: str | Path | None = None, llm: str | None = None, ssms: Sequence[str] = (), dtype: str = "fp32",
     ssm_dtype: str | None = None, tree: TreeConfig | None = None, draft_ranking: str | None = None,
     lookup: int | None = None, use_scheduler: bool = True, device: str | torch.device = "cpu", stack_ssms: str = "auto",
-    phrases: bool | str | Path = True,
+    phrases: bool = True, phrase_table: str | Path | None = None,
 ) -> Served:
     """Load and assemble what a command decodes with (`boosttune generate` and `bench`).
 
@@ -398,17 +398,19 @@ def load(
         use_scheduler: plan requests with the bundle's learned scheduler, if it has one.
         device: where the models run (``core/device.py``), checked before anything loads.
         stack_ssms: "auto", "on" or "off": whether the SSMs draft stacked (``stacks``).
-        phrases: with a bundle, prompt lookup drafts with its phrase table too, if it has one; without
-            one, the phrase table's file or directory (``phrases_file``; True: none).
+        phrases: with a bundle, prompt lookup drafts with its phrase table too, if it has one.
+        phrase_table: without a bundle, the phrase table prompt lookup drafts with (``phrases_file``).
     """
     device = resolve_device(device)
+    if phrase_table is not None and not phrases:
+        raise ValueError("--phrases and --no-phrases: pass one (--phrases names a table, --no-phrases drafts without one)")
     if lookup is not None and lookup < 0:
         raise ValueError(f"--prompt-lookup must be >= 0 (0 = off), got {lookup}")
     if bundle is None:
         return from_refs(llm or "default", ssms, tree or TreeConfig(), dtype=dtype, ssm_dtype=ssm_dtype,
                          draft_ranking=draft_ranking, lookup=lookup or 0, device=device, stack_ssms=stack_ssms,
-                         phrases=None if isinstance(phrases, bool) else phrases)
-    if not isinstance(phrases, bool):
+                         phrases=phrase_table)
+    if phrase_table is not None:
         raise ValueError("--phrases names a phrase table for --llm/--ssm; a bundle brings its own (--no-phrases: without it)")
     if ssms:
         raise ValueError("--ssm cannot be combined with a bundle: the bundle's SSMs are used")

@@ -92,8 +92,9 @@ class BenchConfig:
             read from ``recost_cache``); the commands set it
             with --quantize unless told otherwise (``flags.wants_recost``).
         stack_ssms: "auto", "on" or "off": whether the SSMs draft stacked (``assemble.stacks``).
-        phrases: with ``bundle``, prompt lookup drafts with its phrase table too (``serving/phrases.py``);
-            without one, the phrase table's file or run directory (``assemble.phrases_file``; True: none).
+        phrases: with ``bundle``, prompt lookup drafts with its phrase table too (``serving/phrases.py``).
+        phrase_table: without ``bundle``, the phrase table prompt lookup drafts with (its file or run
+            directory, ``assemble.phrases_file``).
     """
 
     questions: str
@@ -102,7 +103,8 @@ class BenchConfig:
     ssms: list[str] = field(default_factory=list)
     bundle: str | None = None
     use_scheduler: bool = True
-    phrases: bool | str = True
+    phrases: bool = True
+    phrase_table: str | None = None
     limit: int = 0
     max_new_tokens: int = 128
     dtype: str = "fp32"
@@ -303,7 +305,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     served = assemble.load(
         bundle=cfg.bundle, llm=cfg.llm, ssms=cfg.ssms, dtype=cfg.dtype, ssm_dtype=cfg.ssm_dtype, tree=cfg.tree,
         draft_ranking=cfg.draft_ranking, lookup=cfg.prompt_lookup, use_scheduler=cfg.use_scheduler, device=cfg.device,
-        stack_ssms=cfg.stack_ssms, phrases=cfg.phrases,
+        stack_ssms=cfg.stack_ssms, phrases=cfg.phrases, phrase_table=cfg.phrase_table,
     )
     if cfg.quantize:
         assemble.quantize_served(served.engine, cfg.quantize)

@@ -51,8 +51,7 @@ def walked_steps(hits: list[bool], hits2: list[bool] | None = None) -> int:
     The scheduler's replay walks it (``scheduler/offline/walk.py``), the head as one drafter of depth 2."""
     one = np.asarray(hits, dtype=np.int64)
     two = one & np.asarray(hits2, dtype=np.int64) if hits2 is not None else np.zeros_like(one)
-    zeros = np.zeros(len(one), dtype=np.int64)
-    return walk(Labels((one + two)[:, None], zeros, zeros), [2]).steps
+    return walk(Labels.drafters_only((one + two)[:, None]), [2]).steps
 
 
 def head_hits(head, features: torch.Tensor, ids: list[int], prompt_len: int, rows: torch.Tensor, top: int,

@@ -169,24 +169,24 @@ def test_named_models_take_a_phrase_table_by_path_and_bad_ones_are_refused_befor
     save_phrases(RunDir(run).phrases_path, build_phrases([ids + ref], v))
     without = plain.engine.generate(ids, stop)
     for ref_path in (run, RunDir(run).phrases_path):
-        served = load(llm=TINY_LLM, ssms=[ssm], lookup=4, phrases=ref_path)
+        served = load(llm=TINY_LLM, ssms=[ssm], lookup=4, phrase_table=ref_path)
         assert served.phrases and not plain.phrases
         out = served.engine.generate(ids, stop)
         assert out.tokens == ref == without.tokens
         assert out.proposer_hits[LOOKUP_NAME] > without.proposer_hits[LOOKUP_NAME]
     with pytest.raises(ValueError, match="--phrases: .*--prompt-lookup"):
-        load(llm=TINY_LLM, ssms=[ssm], phrases=run)
+        load(llm=TINY_LLM, ssms=[ssm], phrase_table=run)
     with pytest.raises(ValueError, match="--phrases: no phrase table at"):
-        load(llm=TINY_LLM, ssms=[ssm], lookup=4, phrases=tmp_path / "nowhere")
+        load(llm=TINY_LLM, ssms=[ssm], lookup=4, phrase_table=tmp_path / "nowhere")
     other = tmp_path / "other.safetensors"
     save_phrases(other, build_phrases([[1, 2, 3]], 7))
     with pytest.raises(ValueError, match="another vocabulary"):
-        load(llm=TINY_LLM, ssms=[ssm], lookup=4, phrases=other)
+        load(llm=TINY_LLM, ssms=[ssm], lookup=4, phrase_table=other)
     from boosttune.export.bundle import export_bundle
 
     bundle = export_bundle(run, tmp_path / "bundle", prompt_lookup=4).bundle
     with pytest.raises(ValueError, match="--phrases .*a bundle brings its own"):
-        load(bundle=bundle, phrases=run)
+        load(bundle=bundle, phrase_table=run)
     # the command line: the flag reaches the engine, and its refusal is one line naming it
     args = ["generate", "--llm", TINY_LLM, "--ssm", ssm, "the cat sat on the mat", "--max-new-tokens", "8",
             "--prompt-lookup", "4"]

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from boosttune.cli.flags import (
     add_bundle_args,
     add_model_args,
-    phrases_arg,
     ssm_refs,
     tree_override,
     wants_recost,
@@ -61,7 +60,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     methods = None if args.methods is None else tuple(m.strip() for m in args.methods.split(",") if m.strip())
     cfg = BenchConfig(
         questions=args.questions, out=args.out, llm=args.llm, ssms=ssm_refs(args), bundle=args.bundle,
-        use_scheduler=not args.no_scheduler, phrases=phrases_arg(args), limit=args.limit, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
+        use_scheduler=not args.no_scheduler, phrases=not args.no_phrases, phrase_table=args.phrases, limit=args.limit, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
         ssm_dtype=args.ssm_dtype, tree=tree_override(args), chat=not args.no_chat, draft_ranking=args.draft_ranking,
         prompt_lookup=args.prompt_lookup, methods=methods, llama_server=args.llama_server, llm_gguf=args.llm_gguf,
         draft_gguf=args.draft_gguf, eagle3_gguf=args.eagle3_gguf, llama_draft_max=args.llama_draft_max, device=args.device,

@@ -248,13 +248,6 @@ def tree_override(args: argparse.Namespace) -> TreeConfig | None:
         raise ValueError(f"{flags}: {e}") from None
 
 
-def phrases_arg(args: argparse.Namespace) -> bool | str:
-    """``assemble.load``'s ``phrases``: the table --phrases names, else whether a bundle's is used."""
-    if args.phrases is not None and args.no_phrases:
-        raise ValueError("--phrases and --no-phrases: pass one (--phrases names a table, --no-phrases drafts without one)")
-    return args.phrases if args.phrases is not None else not args.no_phrases
-
-
 def assemble_from_args(args: argparse.Namespace) -> Served:
     """The engine the flags ask for (``assemble.load``): a bundle's or the named models'."""
     from boosttune import assemble
@@ -263,7 +256,7 @@ def assemble_from_args(args: argparse.Namespace) -> Served:
         bundle=args.bundle, llm=args.llm, ssms=ssm_refs(args), dtype=args.dtype, ssm_dtype=args.ssm_dtype,
         tree=tree_override(args), draft_ranking=args.draft_ranking, lookup=args.prompt_lookup,
         use_scheduler=not args.no_scheduler, device=args.device, stack_ssms=args.stack_ssms,
-        phrases=phrases_arg(args),
+        phrases=not args.no_phrases, phrase_table=args.phrases,
     )
     if args.quantize:
         assemble.quantize_served(served.engine, args.quantize)

@@ -139,8 +139,7 @@ def walked_tau(accepts: Sequence[np.ndarray], depths: Sequence[int] | None = Non
     for acc in cols:
         n = acc.shape[0]
         deep = list(depths) if depths is not None else [int(acc.max(initial=0)) + 1] * acc.shape[1]
-        zeros = np.zeros(n, dtype=np.int64)
-        steps += walk(Labels(acc, zeros, zeros), deep).steps
+        steps += walk(Labels.drafters_only(acc), deep).steps
         tokens += n
     return tokens / steps if steps else 1.0
 

@@ -41,6 +41,12 @@ class Labels:
     chain: np.ndarray
     branch: np.ndarray | None = None
 
+    @classmethod
+    def drafters_only(cls, accepted: np.ndarray) -> Labels:
+        """Labels of (T, N) model drafters and no prompt lookup (no match, empty chain, no table)."""
+        zeros = np.zeros(accepted.shape[0], dtype=np.int64)
+        return cls(accepted, zeros, zeros)
+
 
 @dataclass(frozen=True)
 class Walked:
