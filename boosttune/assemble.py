@@ -52,6 +52,7 @@ class Served:
         models: the drafters' models by drafter name.
         ranking: the draft vocabulary ranking the SSMs were given (None: none).
         scheduler: the learned scheduler (None: every request takes the engine's default plan).
+        phrase_file: the file of the phrase table prompt lookup drafts with (None: none), for the record.
     """
 
     engine: SpeculativeEngine
@@ -59,6 +60,7 @@ class Served:
     models: dict[str, LoadedModel]
     ranking: Tensor | None = None
     scheduler: Scheduler | None = None
+    phrase_file: Path | None = None
 
     def generate(
         self, prompt_ids: Sequence[int], stop: StopCriteria, sampling: SamplingParams | None = None,
@@ -310,7 +312,9 @@ def from_refs(
     engine = engine_from_models(loaded_llm.model, {n: s.model for n, s in named.items()}, tree, ranking, lookup,
                                 kinds={n: s.kind for n, s in named.items()}, phrases=table,
                                 stack_ssms=stacks(stack_ssms, [s.model for s in named.values()]))
-    return Served(engine, loaded_llm, named, ranking)
+    served = Served(engine, loaded_llm, named, ranking)
+    served.phrase_file = table_path if served.phrases else None
+    return served
 
 
 def phrases_file(ref: str | Path, lookup: int) -> Path:
@@ -373,7 +377,10 @@ def from_bundle(
                                 kinds={d.name: d.kind for d in entries}, lookup_depths=depths,
                                 phrases=bundle.phrases if phrases else None,
                                 stack_ssms=stacks(stack_ssms, [s.model for s in named.values() if s is not None]))
-    return Served(engine, bundle.llm, named, ranking, scheduler)
+    served = Served(engine, bundle.llm, named, ranking, scheduler)
+    if served.phrases and bundle.manifest.phrases is not None:
+        served.phrase_file = bundle.root / bundle.manifest.phrases
+    return served
 
 
 def load(

@@ -418,6 +418,7 @@ def summarize(results: dict[str, list[GenerationResult]], cfg: BenchConfig, serv
         "hf_lookup_identical": same("hf_lookup"),
         "prompt_lookup": served.lookup,
         "phrases": served.phrases,
+        "phrase_file": None if served.phrase_file is None else str(served.phrase_file),
         "dtype": cfg.dtype,
         "device": str(served.llm.model.device),
         "ssm_dtype": cfg.ssm_dtype or cfg.dtype,

@@ -231,7 +231,7 @@ class LeanRunner(ModelRunner):
     def quantize(self, scheme: str, group: int = quantize_mod.DEFAULT_GROUP) -> int:
         """Compute every matrix product of the model (the fused ones, o, down and the LM head) with
         weight-only ``scheme`` weights (``serving/quantize.py``) from now on; returns the bytes of the
-        quantized weights. For a frozen model being served, before any runner is spawned or the forward
+        quantized weights a forward reads (of a head cut to a draft vocabulary, its rows alone). For a frozen model being served, before any runner is spawned or the forward
         compiled: the quantized weights are taken once, and the model's own weights stay as they are
         (transformers' forward and training still use them). Raises ValueError naming ``--quantize``
         where it cannot (a GPU model, a compiled forward, quantized already, or a
@@ -264,7 +264,8 @@ class LeanRunner(ModelRunner):
         self.exact_attention = scheme == "w8a8" and dtype == torch.float32
         if self.head_ids is not None:  # a drafter's head cut to a draft vocabulary: its rows quantized too
             self.restrict_head(self.head_ids)
-        return lm.nbytes + sum(p.nbytes for layer in layers for p in layer)
+        read = self._head if self._head is not None else lm
+        return read.nbytes + sum(p.nbytes for layer in layers for p in layer)
 
     def restrict_head(self, head_ids: Tensor | None) -> None:
         """``ModelRunner.restrict_head``; a compiled forward is rebuilt for the new head (it compiles again at

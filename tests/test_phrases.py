@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,6 +172,7 @@ def test_named_models_take_a_phrase_table_by_path_and_bad_ones_are_refused_befor
     for ref_path in (run, RunDir(run).phrases_path):
         served = load(llm=TINY_LLM, ssms=[ssm], lookup=4, phrase_table=ref_path)
         assert served.phrases and not plain.phrases
+        assert served.phrase_file == RunDir(run).phrases_path and plain.phrase_file is None
         out = served.engine.generate(ids, stop)
         assert out.tokens == ref == without.tokens
         assert out.proposer_hits[LOOKUP_NAME] > without.proposer_hits[LOOKUP_NAME]
@@ -187,6 +189,8 @@ def test_named_models_take_a_phrase_table_by_path_and_bad_ones_are_refused_befor
     bundle = export_bundle(run, tmp_path / "bundle", prompt_lookup=4).bundle
     with pytest.raises(ValueError, match="--phrases .*a bundle brings its own"):
         load(bundle=bundle, phrase_table=run)
+    assert load(bundle=bundle).phrase_file == Path(bundle) / "phrases.safetensors"
+    assert load(bundle=bundle, phrases=False).phrase_file is None
     # the command line: the flag reaches the engine, and its refusal is one line naming it
     args = ["generate", "--llm", TINY_LLM, "--ssm", ssm, "the cat sat on the mat", "--max-new-tokens", "8",
             "--prompt-lookup", "4"]

@@ -190,9 +190,11 @@ def test_quantized_drafters_draft_over_their_cut_head_and_decoding_stays_lossles
                                 ranking=ranking)
     drafter = engine.drafters["ssm-1"]
     drafter.prepare(engine.plan.trees["ssm-1"])  # cut before quantizing: the cut rows are quantized after
-    assert min(assemble.quantize_served(engine, scheme)) > 0
+    llm_bytes, drafter_bytes = assemble.quantize_served(engine, scheme)
     runner = drafter.runner
     assert runner.quantized == scheme and isinstance(runner._head, QuantLinear)
+    layers = sum(p.nbytes for i in range(len(runner._qkv)) for p in runner.products(i))
+    assert drafter_bytes == layers + runner._head.nbytes < llm_bytes  # the 48 rows it reads, not the LM head's 64
     assert runner._head.out_features == 48 and all(isinstance(p, QuantLinear) for p in runner.products(0))
     cut = LeanRunner(perturbed(llm, 1, 0.2))  # cut after quantizing: the same quantized head
     cut.quantize(scheme)
