@@ -21,7 +21,8 @@ top-k coverage and each variant's union coverage, overall and per category (``sc
 next to what each variant's own evaluation measured (τ of each SSM alone and of all merged, on the run's
 held-out requests). ``OUT/ablation.json`` holds the figures; each boosted variant's report.json gains
 ``ensemble_gain_over_independent`` and ``ensemble_gain_over_longer_single`` (union top-k coverage on the
-questions, relative) and ``ensemble_gain_over_best_single_questions`` under ``evaluation``.
+questions, relative; ``..._same_candidates``: against the single SSM's N x k candidates), ``tau_gain_over_*`` (the
+runs' merged τ, relative) and ``ensemble_gain_over_best_single_questions`` under ``evaluation``.
 
 Usage:
     python scripts/ablate_ssms.py runs/demo --questions ../shared/data/mt_bench/question.jsonl \\
@@ -137,15 +138,25 @@ def format_rows(rows: list[dict], k: int) -> str:
 
 def gains_of(rows: list[dict]) -> dict[str, dict]:
     """Per boosted variant: its union coverage relative to the independent ensemble's, to the longer single
-    SSM's and to its own best SSM's."""
-    union = {r["variant"]: r["union_coverage"] for r in rows}
+    SSM's and to its own best SSM's; relative to the longer single SSM given as many candidates as the
+    union holds (N x k: what one wider level of that SSM would verify); and, where the rows have the runs'
+    own evaluation, its merged τ relative to both baselines' (the figure a served tree turns coverage into)."""
+    by = {r["variant"]: r for r in rows}
+    ind, single = by["independent"], by["single"]
     out = {}
     for r in rows:
         if r["variant"] in ("independent", "single"):
             continue
-        out[r["variant"]] = {"ensemble_gain_over_independent": r["union_coverage"] / union["independent"] - 1,
-                             "ensemble_gain_over_longer_single": r["union_coverage"] / union["single"] - 1,
-                             "ensemble_gain_over_best_single_questions": r["union_coverage"] / max(r["coverage"]) - 1}
+        g = {"ensemble_gain_over_independent": r["union_coverage"] / ind["union_coverage"] - 1,
+             "ensemble_gain_over_longer_single": r["union_coverage"] / single["union_coverage"] - 1,
+             "ensemble_gain_over_best_single_questions": r["union_coverage"] / max(r["coverage"]) - 1}
+        if single.get("union_same_candidates"):
+            g["ensemble_gain_over_longer_single_same_candidates"] = (
+                r["union_coverage"] / single["union_same_candidates"] - 1)
+        for name, base in (("independent", ind), ("longer_single", single)):
+            if r.get("eval_tau") and base.get("eval_tau"):
+                g[f"tau_gain_over_{name}"] = r["eval_tau"] / base["eval_tau"] - 1
+        out[r["variant"]] = g
     return out
 
 
@@ -245,7 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     print(format_rows(table, k))
     for name, g in gains.items():
         print(f"{name}: union over independent {g['ensemble_gain_over_independent']:+.1%}, over one SSM {n}x as long "
-              f"{g['ensemble_gain_over_longer_single']:+.1%}, over its best SSM {g['ensemble_gain_over_best_single_questions']:+.1%}")
+              f"{g['ensemble_gain_over_longer_single']:+.1%} ({n * k} candidates: "
+              f"{g.get('ensemble_gain_over_longer_single_same_candidates', float('nan')):+.1%}), over its best SSM "
+              f"{g['ensemble_gain_over_best_single_questions']:+.1%}; merged τ over independent "
+              f"{g.get('tau_gain_over_independent', float('nan')):+.1%}, over one SSM {n}x as long "
+              f"{g.get('tau_gain_over_longer_single', float('nan')):+.1%}")
     return 0
 
 

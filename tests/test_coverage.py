@@ -281,14 +281,21 @@ def test_ssm_ablation_gains_compare_each_boosted_union_with_both_baselines() -> 
     """Relative union coverage: over the independent ensemble, over one SSM trained N x as long, over the
     variant's own best SSM; the baselines get no row of gains."""
     script = load_script("ablate_ssms")
-    rows = [{"variant": "match", "coverage": [0.40, 0.30], "union_coverage": 0.48},
-            {"variant": "independent", "coverage": [0.40, 0.41], "union_coverage": 0.45},
-            {"variant": "single", "coverage": [0.42], "union_coverage": 0.42}]
+    rows = [{"variant": "match", "coverage": [0.40, 0.30], "union_coverage": 0.48, "eval_tau": 1.43},
+            {"variant": "independent", "coverage": [0.40, 0.41], "union_coverage": 0.45, "eval_tau": 1.40},
+            {"variant": "single", "coverage": [0.42], "union_coverage": 0.42, "union_same_candidates": 0.50,
+             "eval_tau": 1.46}]
     g = script.gains_of(rows)
     assert list(g) == ["match"]
     assert g["match"]["ensemble_gain_over_independent"] == pytest.approx(0.48 / 0.45 - 1)
     assert g["match"]["ensemble_gain_over_longer_single"] == pytest.approx(0.48 / 0.42 - 1)
     assert g["match"]["ensemble_gain_over_best_single_questions"] == pytest.approx(0.48 / 0.40 - 1)
+    # the fair ones: the single SSM with as many candidates as the union, and the runs' merged τ
+    assert g["match"]["ensemble_gain_over_longer_single_same_candidates"] == pytest.approx(0.48 / 0.50 - 1)
+    assert g["match"]["tau_gain_over_independent"] == pytest.approx(1.43 / 1.40 - 1)
+    assert g["match"]["tau_gain_over_longer_single"] == pytest.approx(1.43 / 1.46 - 1)
+    rows[0].pop("eval_tau")  # a run without its evaluation: no τ gains, the coverage ones stay
+    assert "tau_gain_over_independent" not in script.gains_of(rows)["match"]
 
 
 def test_coverage_script_scores_a_runs_eagle3_head(tmp_path, capsys) -> None:
