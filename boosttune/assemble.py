@@ -312,9 +312,7 @@ def from_refs(
     engine = engine_from_models(loaded_llm.model, {n: s.model for n, s in named.items()}, tree, ranking, lookup,
                                 kinds={n: s.kind for n, s in named.items()}, phrases=table,
                                 stack_ssms=stacks(stack_ssms, [s.model for s in named.values()]))
-    served = Served(engine, loaded_llm, named, ranking)
-    served.phrase_file = table_path if served.phrases else None
-    return served
+    return Served(engine, loaded_llm, named, ranking, phrase_file=table_path)  # a table is refused without lookup
 
 
 def phrases_file(ref: str | Path, lookup: int) -> Path:

@@ -231,8 +231,9 @@ class LeanRunner(ModelRunner):
     def quantize(self, scheme: str, group: int = quantize_mod.DEFAULT_GROUP) -> int:
         """Compute every matrix product of the model (the fused ones, o, down and the LM head) with
         weight-only ``scheme`` weights (``serving/quantize.py``) from now on; returns the bytes of the
-        quantized weights a forward reads (of a head cut to a draft vocabulary, its rows alone). For a frozen model being served, before any runner is spawned or the forward
-        compiled: the quantized weights are taken once, and the model's own weights stay as they are
+        quantized weights a forward reads (of a head cut to a draft vocabulary, its rows alone). For a
+        frozen model being served, before any runner is spawned or the forward compiled: the quantized
+        weights are taken once, and the model's own weights stay as they are
         (transformers' forward and training still use them). Raises ValueError naming ``--quantize``
         where it cannot (a GPU model, a compiled forward, quantized already, or a
         weight shape the kernel refuses), before anything changes."""
